@@ -1,0 +1,27 @@
+"""An unmodified DDP script: no trainwatch import. Used for zero-code telemetry tests."""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=12)
+p.add_argument("--sleep", type=float, default=0.02)
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 16)), batch_size=8)
+it = iter(data)
+for step in range(args.steps):
+    (x,) = next(it)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(args.sleep)
+dist.destroy_process_group()

@@ -1,0 +1,110 @@
+import math
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from trainwatch import slots
+
+
+@pytest.fixture
+def segment(tmp_path):
+    path = str(tmp_path / "seg")
+    slots.create_segment(path, 4)
+    seg = slots.Segment(path)
+    yield seg
+    seg.close()
+
+
+def writer(seg, index, rank=None):
+    return slots.SlotWriter(seg, index, pid=os.getpid(), rank=index if rank is None else rank, world_size=4, restart=0)
+
+
+def test_unwritten_slot_reads_none(segment):
+    assert segment.read(0) is None
+    assert segment.read_all() == []
+
+
+def test_step_and_sampler_round_trip(segment):
+    w = writer(segment, 2, rank=6)
+    w.write_step(7, 1.25, 0.5, 0.2, 0.1, 100.0, 90.0, slots.PHASE_CODES["backward"], 99.5, 14)
+    w.write_sampler(101.0, True, 7, [slots.CollectiveGroup(0, 30, 29, "allreduce"), slots.CollectiveGroup(1, 5, 5, "barrier")])
+    snap = segment.read(2)
+    assert (snap.rank, snap.local_rank, snap.step, snap.phase, snap.py_collectives) == (6, 2, 7, "backward", 14)
+    assert snap.loss == 1.25 and snap.progress_mono == 100.0 and snap.heartbeat_mono == 101.0
+    assert snap.groups == (slots.CollectiveGroup(0, 30, 29, "allreduce"), slots.CollectiveGroup(1, 5, 5, "barrier"))
+    table = segment.read_table()
+    assert list(table["pid"] > 0) == [False, False, True, False]
+    assert table["step"][2] == 7 and table["groups"][2][0]["enqueued"] == 30
+
+
+def test_torn_write_is_never_returned(segment):
+    """A reader racing a writer sees either the old or the new record, never a mix."""
+    w = writer(segment, 0)
+    stop = threading.Event()
+
+    def spin():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            # step and py_collectives always equal: a torn read would split them
+            w.write_step(i, float(i), float(i), 0.0, 0.0, float(i), 0.0, 1, float(i), i)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        for _ in range(3000):
+            s = segment.read(0)
+            if s is not None:
+                assert s.step == s.py_collectives == int(s.loss) == int(s.progress_mono)
+            table = segment.read_table()
+            if table["pid"][0]:
+                assert table["step"][0] == table["py_collectives"][0]
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_control_channel(segment):
+    w = writer(segment, 1)
+    segment.request_checkpoint(1, 3)
+    assert w.read_request() == 3
+    w.write_checkpoint_status(3, slots.CKPT_OK, 42)
+    assert segment.read_control(1) == (3, 3, slots.CKPT_OK, 42)
+
+
+def test_clear_resets_slot(segment):
+    w = writer(segment, 3)
+    w.write_step(5, 1.0, 1.0, 0.1, 0.1, 1.0, 0.0, 0, 0.0, 0)
+    segment.clear(3)
+    assert segment.read(3) is None
+
+
+def test_bad_segment_file_is_a_clear_error(tmp_path):
+    p = tmp_path / "junk"
+    p.write_bytes(b"x" * 4096)
+    with pytest.raises(ValueError, match="unknown slot layout"):
+        slots.Segment(str(p))
+
+
+def test_api_records_into_slot(tmp_path, monkeypatch):
+    from trainwatch.trainer import api
+
+    path = str(tmp_path / "seg")
+    slots.create_segment(path, 2)
+    seg = slots.Segment(path)
+    tw = api.Telemetry(seg, 1, rank=1, world_size=2, restart=0, attached=True)
+    with tw.phase("data"):
+        assert seg.read(1).phase == "data"
+    with tw.phase("backward"):
+        pass
+    tw.step(loss=2.5, grad_norm=1.5)
+    s = seg.read(1)
+    assert (s.step, s.loss, s.grad_norm, s.phase) == (1, 2.5, 1.5, "init")
+    assert s.step_s >= 0 and not math.isnan(s.compute_s) and s.compute_s <= s.step_s
+    tw.step(step=10)
+    assert seg.read(1).step == 10
+    with pytest.raises(ValueError, match="unknown phase"):
+        with tw.phase("bogus"):
+            pass

@@ -1,0 +1,75 @@
+"""Helpers shared by the end-to-end tests: run trainwatch as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+BIN = Path(sys.executable).parent
+
+
+def env_for(home: Path, **extra: str) -> dict:
+    env = dict(os.environ)
+    env.update(
+        TRAINWATCH_HOME=str(home),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        LOGLEVEL="WARNING",
+    )
+    env.update(extra)
+    return env
+
+
+def trainwatch(home: Path, *args: str, timeout: float = 300, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "trainwatch"), *args],
+        env=env_for(home, **extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(ROOT),
+    )
+
+
+def start(home: Path, *args: str, **extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(BIN / "trainwatch"), *args],
+        env=env_for(home, **extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(ROOT),
+        start_new_session=True,
+    )
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    """Poll a condition with a hard bound; returns its truthy value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def job_json(home: Path, job: str) -> dict | None:
+    try:
+        return json.loads((home / "jobs" / job / "job.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def events(home: Path, job: str) -> list[dict]:
+    try:
+        lines = (home / "jobs" / job / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    return [json.loads(line) for line in lines if line.strip()]

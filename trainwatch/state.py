@@ -1,0 +1,149 @@
+"""The state directory: one layout, used by the launcher, sidecar and CLI.
+
+    $TRAINWATCH_HOME (default ~/.trainwatch, mode 0700)
+      jobs/<job>/job.json       launcher-owned record: pids, ranks, status, metrics address
+      jobs/<job>/sidecar.json   sidecar-owned record: its pid and metrics address
+      jobs/<job>/events.jsonl   incidents, one JSON object per line, append-only
+      jobs/<job>/stacks/        raw stack dumps
+      jobs/<job>/control/       requests between sidecar and agent (restart)
+
+Every JSON file is replaced atomically (tmp + fsync + rename) so a reader never
+sees half a record, and a crash mid-write keeps the previous version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+class StateError(RuntimeError):
+    """A user-fixable problem with the state directory or a job name."""
+
+
+def home() -> Path:
+    return Path(os.environ.get("TRAINWATCH_HOME") or Path.home() / ".trainwatch").expanduser()
+
+
+def ensure_home() -> Path:
+    root = home()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(root, 0o700)
+        (root / "jobs").mkdir(mode=0o700, exist_ok=True)
+        probe = root / f".probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise StateError(
+            f"$TRAINWATCH_HOME must be a writable directory; got {root} ({e.strerror or e}). "
+            "Set TRAINWATCH_HOME to a directory you own."
+        ) from None
+    return root
+
+
+def check_job_name(name: str) -> str:
+    if not JOB_NAME_RE.match(name):
+        raise StateError(
+            f"--job must be 1-100 characters of letters, digits, '.', '_' or '-' starting with a "
+            f"letter or digit; got {name!r}"
+        )
+    return name
+
+
+def generate_job_name() -> str:
+    return time.strftime("job-%Y%m%d-%H%M%S-") + os.urandom(2).hex()
+
+
+def job_dir(job: str) -> Path:
+    return home() / "jobs" / check_job_name(job)
+
+
+def make_job_dir(job: str) -> Path:
+    ensure_home()
+    d = job_dir(job)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for sub in ("stacks", "control"):
+        (d / sub).mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    payload = json.dumps(data, indent=2, sort_keys=True, default=str)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, payload.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_job(job: str) -> dict | None:
+    return read_json(job_dir(job) / "job.json")
+
+
+def update_job(job: str, **fields: Any) -> dict:
+    """Merge fields into job.json. Only the launcher process calls this."""
+    path = job_dir(job) / "job.json"
+    record = read_json(path) or {"job": job}
+    record.update(fields)
+    write_json_atomic(path, record)
+    return record
+
+
+def list_jobs() -> list[dict]:
+    root = home() / "jobs"
+    if not root.is_dir():
+        return []
+    jobs = []
+    for d in sorted(root.iterdir()):
+        rec = read_json(d / "job.json")
+        if rec is not None:
+            jobs.append(rec)
+    jobs.sort(key=lambda r: r.get("start_time", 0))
+    return jobs
+
+
+def append_event(job: str, event: dict) -> None:
+    """Append one incident line. O_APPEND writes of one line are atomic enough for
+    the few writers we have (sidecar, agent), and never rewrite earlier lines."""
+    path = job_dir(job) / "events.jsonl"
+    line = (json.dumps(event, sort_keys=True, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_events(job: str) -> Iterator[dict]:
+    path = job_dir(job) / "events.jsonl"
+    try:
+        f = open(path)
+    except OSError:
+        return
+    with f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue  # a torn last line from a crash is skipped, not fatal

@@ -1,0 +1,381 @@
+"""The rank-side API: `tw = trainwatch.init()`, `tw.step(...)`, `with tw.phase(...)`.
+
+Everything on the step path is a few struct writes into the rank's mapped slot:
+no syscall, no lock, no allocation that outlives the call. Work that costs more
+(flight-recorder dumps, heartbeats, emergency checkpoint writes) runs on one
+background thread, which also keeps publishing while the training thread is
+stuck in a collective (gloo and NCCL waits release the GIL).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import mmap
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from trainwatch import slots
+
+log = logging.getLogger("trainwatch")
+
+SAMPLE_INTERVAL_S = 0.2
+"""Seconds between sampler rounds (heartbeat + flight recorder)."""
+
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "gather",
+    "scatter",
+)
+
+
+class _Anonymous:
+    """A private one-slot segment for processes not started by trainwatch launch,
+    so the API costs and behaves the same everywhere."""
+
+    def __init__(self) -> None:
+        self._mm = mmap.mmap(-1, slots.HEADER_SIZE + slots.SLOT_SIZE)
+        self.buf = memoryview(self._mm)
+        self.nslots = 1
+
+    def offset(self, index: int) -> int:
+        return slots.HEADER_SIZE
+
+
+class Telemetry:
+    """Per-process telemetry handle. Get it with `trainwatch.init()`."""
+
+    def __init__(self, segment: Any, index: int, *, rank: int, world_size: int, restart: int, attached: bool):
+        self.rank = rank
+        self.local_rank = index
+        self.world_size = world_size
+        self.restart = restart
+        self.attached = attached
+        """True when a trainwatch sidecar reads this slot."""
+        self._segment = segment
+        self._writer = slots.SlotWriter(
+            segment, index, pid=os.getpid(), rank=rank, world_size=world_size, restart=restart
+        )
+        now = time.monotonic()
+        self._start = now
+        self._last = now
+        self._step = 0
+        self._phase = slots.PHASE_CODES["init"]
+        self._phase_name = "init"
+        self._phase_since = now
+        self._wait_s = 0.0
+        self._loss = math.nan
+        self._grad_norm = math.nan
+        self._step_s = math.nan
+        self._compute_s = math.nan
+        self.py_collectives = 0
+        self.last_py_op = ""
+        self._explicit = False
+        self._state_fn: Callable[[], dict] | None = None
+        self._state_refs: tuple = ()
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+        self._sample_lock = threading.Lock()
+        self._fr = FlightRecorderReader()
+        self._hooks: list[Callable[[int], None]] = []
+        self._publish()
+
+    # ---- step path ----------------------------------------------------------
+
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    def step(self, loss: Any = None, grad_norm: Any = None, *, step: int | None = None, compute_s: float | None = None) -> None:
+        """Record that a training step finished.
+
+        loss / grad_norm: floats (a tensor is converted with float(), which on
+        GPU waits for the device: pass floats you already have if that matters).
+        step: the step number just finished; default previous + 1.
+        compute_s: this step's compute time; default step time minus time spent
+        in phases that wait on peers (backward, collective).
+        """
+        self._explicit = True
+        self._record(loss, grad_norm, step, compute_s)
+
+    def _record(self, loss: Any, grad_norm: Any, step: int | None, compute_s: float | None) -> None:
+        now = time.monotonic()
+        self._step = self._step + 1 if step is None else int(step)
+        step_s = now - self._last
+        self._last = now
+        if loss is not None:
+            self._loss = float(loss)
+        if grad_norm is not None:
+            self._grad_norm = float(grad_norm)
+        self._step_s = step_s
+        if compute_s is not None:
+            self._compute_s = compute_s
+        elif self._wait_s > 0.0 or self._phase_name in slots.WAIT_PHASES:
+            self._compute_s = max(0.0, step_s - self._wait_s)
+        self._wait_s = 0.0
+        self._publish(now)
+        for hook in self._hooks:
+            hook(self._step)
+
+    def _publish(self, now: float | None = None) -> None:
+        self._writer.write_step(
+            self._step,
+            self._loss,
+            self._grad_norm,
+            self._step_s,
+            self._compute_s,
+            self._last,
+            self._start,
+            self._phase,
+            self._phase_since,
+            self.py_collectives,
+        )
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a phase of the step (data, forward, backward, optimizer, checkpoint, eval...)."""
+        code = slots.PHASE_CODES.get(name)
+        if code is None:
+            raise ValueError(f"unknown phase {name!r}; use one of {', '.join(slots.PHASES)}")
+        prev, prev_name = self._phase, self._phase_name
+        start = time.monotonic()
+        self._set_phase(code, name, start)
+        try:
+            yield
+        finally:
+            end = time.monotonic()
+            if name in slots.WAIT_PHASES:
+                self._wait_s += end - start
+            self._set_phase(prev, prev_name, end)
+
+    def set_phase(self, name: str) -> None:
+        self._set_phase(slots.PHASE_CODES[name], name, time.monotonic())
+
+    def _set_phase(self, code: int, name: str, now: float) -> None:
+        self._phase, self._phase_name, self._phase_since = code, name, now
+        self._publish()
+
+    @property
+    def phase_name(self) -> str:
+        return self._phase_name
+
+    # ---- state for emergency checkpoints ------------------------------------
+
+    def register_state(self, model: Any = None, optimizer: Any = None, *, state_fn: Callable[[], dict] | None = None) -> None:
+        """Name what an emergency checkpoint saves: a model and optimizer, or any
+        callable returning a state dict."""
+        self._state_refs = (model, optimizer)
+        self._state_fn = state_fn
+
+    def state_dict(self) -> dict:
+        if self._state_fn is not None:
+            return self._state_fn()
+        model, optimizer = self._state_refs
+        out: dict = {"step": self._step}
+        if model is not None:
+            out["model"] = model.state_dict()
+        if optimizer is not None:
+            out["optimizer"] = optimizer.state_dict()
+        return out
+
+    # ---- fault-injection points (no-ops unless `--inject` armed this rank) ------
+
+    def fault_point(self, where: str) -> None:
+        """Called by the trainer at 'data', 'forward', 'checkpoint' and 'step_end';
+        an armed fault (hang, crash, delay) really happens here, in this rank."""
+
+    def skip_collective(self) -> bool:
+        """True when an injected fault wants this rank to skip its next all_reduce."""
+        return False
+
+    def perturb_loss(self, loss: Any) -> Any:
+        """Return the loss, or a NaN/spiked copy when such a fault is armed."""
+        return loss
+
+    def add_step_hook(self, hook: Callable[[int], None]) -> None:
+        """Call hook(step) after every recorded step (fault injection, staging)."""
+        self._hooks.append(hook)
+
+    # ---- background sampler ---------------------------------------------------
+
+    def start_sampler(self, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        if self._sampler is not None:
+            return
+        self._sampler = threading.Thread(target=self._sample_loop, args=(interval_s,), name="trainwatch-sampler", daemon=True)
+        self._sampler.start()
+
+    def _sample_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.sample_now()
+            except Exception:  # one bad round must not end the heartbeat
+                log.debug("trainwatch sampler round failed", exc_info=True)
+
+    def sample_now(self) -> None:
+        """One sampler round: heartbeat + collective sequence numbers. The lock
+        keeps region B single-writer; it is never taken on the step path."""
+        with self._sample_lock:
+            groups = self._fr.sample()
+            if groups is None:
+                groups = [slots.CollectiveGroup(0, self.py_collectives, self.py_collectives, self.last_py_op)]
+            self._writer.write_sampler(time.monotonic(), self._fr.available, self._step, groups)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join(timeout=2)
+        self._set_phase(slots.PHASE_CODES["done"], "done", time.monotonic())
+
+
+class FlightRecorderReader:
+    """Reads per-group collective sequence numbers from PyTorch's flight recorder.
+
+    `_dump_fr_trace_json` is private: guard by presence and shape, and fall back
+    to None (the caller then publishes its own wrapper counts)."""
+
+    def __init__(self) -> None:
+        self.available = False
+        self._fn = None
+        if not os.environ.get("TORCH_FR_BUFFER_SIZE"):
+            return
+        try:
+            from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+
+            self._fn = _dump_fr_trace_json
+        except Exception:
+            self._fn = None
+
+    def sample(self) -> list[slots.CollectiveGroup] | None:
+        if self._fn is None:
+            return None
+        try:
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_initialized():
+                return None
+            data = json.loads(self._fn(includeCollectives=True, onlyActive=False))
+        except Exception:
+            self.available = False
+            return None
+        status = data.get("pg_status") or {}
+        last_ops: dict[int, str] = {}
+        for entry in data.get("entries") or ():
+            try:
+                last_ops[int(entry.get("pg_id", 0))] = str(entry.get("profiling_name", "")).split(":")[-1]
+            except (TypeError, ValueError):
+                continue
+        groups = []
+        for pg, st in sorted(status.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 1 << 30):
+            try:
+                pg_id = int(pg)
+                groups.append(
+                    slots.CollectiveGroup(
+                        pg_id,
+                        int(st.get("last_enqueued_collective", -1)),
+                        int(st.get("last_completed_collective", -1)),
+                        last_ops.get(pg_id, ""),
+                    )
+                )
+            except (TypeError, ValueError):
+                continue
+        self.available = True
+        return groups
+
+
+# ---- process-wide handle -------------------------------------------------------
+
+_instance: Telemetry | None = None
+_instance_lock = threading.Lock()
+
+
+def init(*, zero_code: bool = False) -> Telemetry:
+    """Return this process's telemetry handle, attaching to the job's slot segment
+    when started by `trainwatch launch` (TRAINWATCH_SLOTS is set)."""
+    global _instance
+    with _instance_lock:
+        if _instance is not None:
+            return _instance
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        path = os.environ.get("TRAINWATCH_SLOTS")
+        segment: Any = None
+        if path:
+            try:
+                segment = slots.Segment(path)
+                if local_rank >= segment.nslots:
+                    log.warning("trainwatch: local rank %d has no slot in %s; telemetry off", local_rank, path)
+                    segment = None
+            except (OSError, ValueError) as e:
+                log.warning("trainwatch: cannot open telemetry segment %s (%s); telemetry off", path, e)
+                segment = None
+        if segment is None:
+            tw = Telemetry(_Anonymous(), 0, rank=rank, world_size=world, restart=restart, attached=False)
+        else:
+            tw = Telemetry(segment, local_rank, rank=rank, world_size=world, restart=restart, attached=True)
+            _count_collectives(tw)
+            tw.start_sampler()
+            from trainwatch.watchdog import inject
+
+            inject.install(tw)
+            import atexit
+
+            atexit.register(tw.close)
+        _instance = tw
+        return tw
+
+
+def _count_collectives(tw: Telemetry) -> None:
+    """Wrap torch.distributed's Python collectives with a counter: the fallback
+    when the flight recorder is unavailable, and the per-step count the mismatch
+    detector compares across ranks."""
+    try:
+        import torch.distributed as dist
+    except Exception:
+        return
+    if getattr(dist, "_trainwatch_wrapped", False):
+        return
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tw.py_collectives += 1
+            tw.last_py_op = name
+            return fn(*args, **kwargs)
+
+        counted.__wrapped__ = fn  # type: ignore[attr-defined]
+        counted.__name__ = fn.__name__
+        counted.__doc__ = fn.__doc__
+        return counted
+
+    for name in _COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            setattr(dist, name, wrap(name, fn))
+
+    destroy = dist.destroy_process_group
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        try:  # last look at the flight recorder before the groups are gone
+            tw.sample_now()
+        except Exception:
+            pass
+        return destroy(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
+    dist._trainwatch_wrapped = True  # type: ignore[attr-defined]

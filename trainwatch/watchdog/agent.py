@@ -1,0 +1,123 @@
+"""The launcher's agent: torchelastic's LocalElasticAgent plus trainwatch's hooks.
+
+Subclassing (rather than wrapping) torchelastic keeps its rendezvous, restart
+budget and worker shutdown semantics; we only add: fresh telemetry slots per
+start, pid bookkeeping in job.json, exit reports for the sidecar, a supervised
+sidecar, and sidecar-requested restarts through torchelastic's own restart path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from trainwatch import slots, state
+
+log = logging.getLogger("trainwatch")
+
+
+class TrainwatchAgent(LocalElasticAgent):
+    def __init__(self, *args: Any, job: str, segment: slots.Segment, sidecar: Any = None,
+                 on_event: Callable[[str, dict], None] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.job = job
+        self.segment = segment
+        self.sidecar = sidecar
+        self.node = socket.gethostname()
+        self._on_event = on_event or (lambda kind, data: None)
+        self.restart_count = 0
+        self._exit_file = state.job_dir(job) / "control" / "exits.jsonl"
+        self._restart_file = state.job_dir(job) / "control" / "restart-request.json"
+
+    # ---- worker lifecycle ---------------------------------------------------------
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        # A restarted worker must not inherit its predecessor's step or phase.
+        for i in range(self.segment.nslots):
+            self.segment.clear(i)
+        pids = super()._start_workers(worker_group)
+        ranks = [
+            {
+                "rank": w.global_rank,
+                "local_rank": w.local_rank,
+                "node": self.node,
+                "pid": pids.get(w.local_rank),
+            }
+            for w in worker_group.workers
+        ]
+        state.update_job(
+            self.job,
+            status="running",
+            ranks=ranks,
+            world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
+            restarts=self.restart_count,
+            workers_started_time=time.time(),
+        )
+        self._on_event("workers_started", {"ranks": ranks})
+        return pids
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.restart_count += 1
+        self._on_event("restarting", {"restart": self.restart_count})
+        super()._restart_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if self.sidecar is not None:
+            self.sidecar.ensure_running()
+        if result.state == WorkerState.FAILED:
+            self._report_exits(worker_group, result)
+        elif result.state == WorkerState.HEALTHY:
+            request = self._take_restart_request()
+            if request is not None:
+                log.warning("trainwatch: restarting worker group: %s", request.get("reason", "sidecar request"))
+                self._on_event("restart_requested", request)
+                return RunResult(state=WorkerState.UNHEALTHY)
+        return result
+
+    def _report_exits(self, worker_group: WorkerGroup, result: RunResult) -> None:
+        by_rank = {w.global_rank: w for w in worker_group.workers}
+        lines = []
+        for rank, failure in result.failures.items():
+            worker = by_rank.get(rank)
+            signal_name = None
+            if failure.exitcode is not None and failure.exitcode < 0:
+                try:
+                    import signal as _signal
+
+                    signal_name = _signal.Signals(-failure.exitcode).name
+                except ValueError:
+                    signal_name = f"SIG{-failure.exitcode}"
+            lines.append(
+                {
+                    "rank": rank,
+                    "local_rank": worker.local_rank if worker else failure.local_rank,
+                    "pid": failure.pid,
+                    "exitcode": failure.exitcode,
+                    "signal_name": signal_name,
+                    "node": self.node,
+                    "time": time.time(),
+                }
+            )
+        with open(self._exit_file, "a") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+        self._on_event("workers_failed", {"exits": lines})
+
+    def _take_restart_request(self) -> dict | None:
+        try:
+            request = json.loads(self._restart_file.read_text())
+        except (OSError, ValueError):
+            return None
+        try:
+            os.unlink(self._restart_file)
+        except OSError:
+            pass
+        return request

@@ -1,0 +1,303 @@
+"""The node sidecar: reads every rank's slot ~10x a second, runs the detectors,
+records incidents and serves metrics. One process per node, started by
+`trainwatch launch`; it never touches the ranks except to read their slots,
+sample their stacks with py-spy, or ask them (through the slot) for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from trainwatch import slots, state
+
+log = logging.getLogger("trainwatch.sidecar")
+
+TICK_INTERVAL_S = 0.1
+"""Seconds between detector rounds."""
+SNAPSHOT_INTERVAL_S = 1.0
+"""Seconds between telemetry.json snapshots (what `diagnose` reads for a finished job)."""
+
+
+def _finite(x) -> float | None:
+    x = float(x)
+    return x if x == x and abs(x) != float("inf") else None
+
+
+class Sidecar:
+    def __init__(
+        self,
+        job: str,
+        segment_path: str,
+        *,
+        node: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        detectors: list | None = None,
+        out=None,
+        actions: Any = None,
+    ):
+        self.job = job
+        self.node = node or socket.gethostname()
+        self.segment = slots.Segment(segment_path)
+        self.clock = clock
+        self.out = out if out is not None else sys.stdout
+        self.job_dir = state.job_dir(job)
+        self.last_table = None
+        self.last_nodes: list[str] = []
+        self.incident_counts: dict[str, int] = {}
+        self.incidents: list[dict] = []
+        from trainwatch.watchdog.exporter import StepHistogram
+
+        self.step_hist = StepHistogram()
+        self._last_steps: dict[tuple[int, int], int] = {}
+        self._exits_offset = 0
+        self._hardware: list = []
+        self.engine = self._make_engine(detectors)
+        self.actions = actions
+        self.tracer = None
+
+    # ---- wiring -------------------------------------------------------------------
+
+    def _make_engine(self, detectors: list | None):
+        try:
+            from trainwatch.watchdog.detectors import default_detectors
+            from trainwatch.watchdog.engine import DetectorEngine
+        except ImportError:  # detectors not installed: telemetry and metrics only
+            return None
+        return DetectorEngine(detectors if detectors is not None else default_detectors())
+
+    def straggler_ratios(self) -> dict[int, float]:
+        if self.engine is None:
+            return {}
+        for det in self.engine.detectors:
+            fn = getattr(det, "current_ratios", None)
+            if fn is not None:
+                return fn()
+        return {}
+
+    def restarts(self) -> int:
+        rec = state.read_json(self.job_dir / "job.json") or {}
+        return int(rec.get("restarts", 0) or 0)
+
+    def hardware_metrics(self) -> Iterator:
+        for source in self._hardware:
+            yield from source.metrics(self.job, self.node)
+
+    def add_hardware(self, source: Any) -> None:
+        self._hardware.append(source)
+
+    # ---- one round ------------------------------------------------------------------
+
+    def read(self):
+        table = self.segment.read_table()
+        live = table[table["pid"] > 0]
+        self.last_table = live
+        self.last_nodes = [self.node] * len(live)
+        for row in live:
+            key = (int(row["rank"]), int(row["restart"]))
+            step = int(row["step"])
+            prev = self._last_steps.get(key)
+            if prev is not None and step > prev:
+                self.step_hist.observe(self.node, key[0], float(row["step_s"]))
+            self._last_steps[key] = step
+        return live
+
+    def snapshot(self) -> list[dict]:
+        """Per-rank view of the last read, JSON-ready (for telemetry.json and diagnose)."""
+        table = self.last_table
+        if table is None:
+            return []
+        now = self.clock()
+        out = []
+        for row, node in zip(table, self.last_nodes):
+            code = int(row["phase"])
+            ngroups = max(0, min(int(row["ngroups"]), slots.MAX_GROUPS))
+            out.append(
+                {
+                    "rank": int(row["rank"]),
+                    "local_rank": int(row["local_rank"]),
+                    "node": node,
+                    "pid": int(row["pid"]),
+                    "restart": int(row["restart"]),
+                    "step": int(row["step"]),
+                    "loss": _finite(row["loss"]),
+                    "grad_norm": _finite(row["grad_norm"]),
+                    "step_s": _finite(row["step_s"]),
+                    "phase": slots.PHASES[code] if 0 <= code < len(slots.PHASES) else "init",
+                    "last_progress_s": round(max(0.0, now - float(row["progress_mono"])), 3),
+                    "heartbeat_age_s": round(max(0.0, now - float(row["heartbeat_mono"])), 3)
+                    if row["heartbeat_mono"] > 0 else None,
+                    "py_collectives": int(row["py_collectives"]),
+                    "groups": [
+                        {
+                            "pg": int(g["pg"]),
+                            "enqueued": int(g["enqueued"]),
+                            "completed": int(g["completed"]),
+                            "last_op": g["last_op"].rstrip(b"\0").decode("ascii", "replace"),
+                        }
+                        for g in row["groups"][:ngroups]
+                    ],
+                }
+            )
+        return out
+
+    def write_snapshot(self) -> None:
+        state.write_json_atomic(
+            self.job_dir / "telemetry.json", {"node": self.node, "time": time.time(), "ranks": self.snapshot()}
+        )
+
+    def read_exits(self) -> list:
+        path = self.job_dir / "control" / "exits.jsonl"
+        try:
+            with open(path) as f:
+                f.seek(self._exits_offset)
+                data = f.read()
+                self._exits_offset = f.tell()
+        except OSError:
+            return []
+        exits = []
+        for line in data.splitlines():
+            try:
+                exits.append(json.loads(line))
+            except ValueError:
+                continue
+        return exits
+
+    def tick(self) -> list:
+        table = self.read()
+        exits = self.read_exits()
+        new: list = []
+        if self.engine is not None:
+            from trainwatch.watchdog.detectors.base import RankExit, TickView
+
+            view = TickView(
+                now=self.clock(),
+                table=table,
+                nodes=self.last_nodes,
+                exits=[
+                    RankExit(
+                        rank=e.get("rank"),
+                        local_rank=e.get("local_rank"),
+                        pid=e.get("pid"),
+                        exitcode=e.get("exitcode"),
+                        signal_name=e.get("signal_name"),
+                        node=e.get("node", self.node),
+                    )
+                    for e in exits
+                ],
+            )
+            new = list(self.engine.tick(view))
+        for source in self._hardware:
+            new.extend(source.poll_incidents(self))
+        for incident in new:
+            self.emit(incident)
+        return new
+
+    def emit(self, incident: Any) -> dict:
+        record = incident.to_json() if hasattr(incident, "to_json") else dict(incident)
+        record.setdefault("time", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        record.setdefault("node", self.node)
+        record.setdefault("job", self.job)
+        if self.actions is not None:
+            try:
+                record.update(self.actions.handle(self, incident, record) or {})
+            except Exception:
+                log.exception("trainwatch: action for %s failed", record.get("kind"))
+        state.append_event(self.job, record)
+        kind = record.get("kind", "unknown")
+        self.incident_counts[kind] = self.incident_counts.get(kind, 0) + 1
+        self.incidents.append(record)
+        culprits = ",".join(str(r) for r in record.get("culprit_ranks") or []) or "-"
+        print(
+            f"[trainwatch] INCIDENT {kind} culprit rank(s) {culprits}: {record.get('summary', '')}"
+            + (f" (runbook: trainwatch runbook {record['runbook']})" if record.get("runbook") else ""),
+            file=self.out,
+            flush=True,
+        )
+        if self.tracer is not None:
+            self.tracer.incident(record)
+        return record
+
+    def run(self, stop: threading.Event, interval_s: float = TICK_INTERVAL_S) -> None:
+        # One bad round is logged and never ends the loop: a watchdog that dies
+        # on the first odd slot is worse than none.
+        next_at = time.monotonic()
+        last_snapshot = 0.0
+        while not stop.is_set():
+            try:
+                self.tick()
+                if time.monotonic() - last_snapshot >= SNAPSHOT_INTERVAL_S:
+                    self.write_snapshot()
+                    last_snapshot = time.monotonic()
+            except Exception:
+                log.exception("trainwatch sidecar: tick failed")
+            next_at += interval_s
+            delay = next_at - time.monotonic()
+            if delay < 0:
+                next_at = time.monotonic()
+                delay = 0
+            stop.wait(delay)
+        try:  # the final state of every rank outlives the segment
+            self.read()
+            self.write_snapshot()
+        except Exception:
+            log.exception("trainwatch sidecar: final snapshot failed")
+
+
+def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from trainwatch.watchdog.exporter import TrainwatchCollector
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TrainwatchCollector(sidecar))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return f"{host}:{server.server_port}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="trainwatch-sidecar")
+    p.add_argument("--job", required=True)
+    p.add_argument("--slots", required=True)
+    p.add_argument("--node", default=socket.gethostname())
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--metrics-port", type=int, default=-1, help="-1 disables the exporter; 0 picks a free port")
+    p.add_argument("--config", default=None, help="JSON file with sidecar options written by the launcher")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="[trainwatch-sidecar] %(levelname)s %(message)s")
+    config = json.loads(Path(args.config).read_text()) if args.config else {}
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    sidecar = Sidecar(args.job, args.slots, node=args.node)
+    from trainwatch.watchdog import plugins
+
+    plugins.configure(sidecar, config)
+    address = None
+    if args.metrics_port >= 0:
+        try:
+            address = start_metrics_server(sidecar, args.metrics_host, args.metrics_port)
+        except OSError as e:
+            print(f"[trainwatch] metrics exporter off: cannot bind {args.metrics_host}:{args.metrics_port} ({e.strerror})", flush=True)
+    state.write_json_atomic(
+        state.job_dir(args.job) / "sidecar.json",
+        {"pid": os.getpid(), "metrics": address, "node": args.node, "started": time.time()},
+    )
+    sidecar.run(stop)
+    plugins.shutdown(sidecar)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
