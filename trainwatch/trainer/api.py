@@ -353,7 +353,11 @@ def _count_collectives(tw: Telemetry) -> None:
         return
 
     def wrap(name: str, fn: Callable) -> Callable:
+        skippable = name == "all_reduce"
+
         def counted(*args: Any, **kwargs: Any) -> Any:
+            if skippable and tw.skip_collective():
+                return None  # an injected desync: this rank silently skips one all_reduce
             tw.py_collectives += 1
             tw.last_py_op = name
             return fn(*args, **kwargs)

@@ -34,8 +34,10 @@ def install_zero_code(tw) -> None:
         if loss is not None and loss.device.type == "cpu":
             value = float(loss)  # on CPU this is a read; on GPU it would wait for the device
         tw._record(value, None, None, None)
+        tw.fault_point("step_end")
 
     def on_pre_step(optimizer, args, kwargs) -> None:
+        tw.fault_point("forward")
         tw.set_phase("optimizer")
 
     register_optimizer_step_pre_hook(on_pre_step)
@@ -45,6 +47,7 @@ def install_zero_code(tw) -> None:
 
     def backward(self, *args, **kwargs):
         if self.dim() == 0:
+            self = tw.perturb_loss(self)
             last_loss[0] = self.detach()
         with tw.phase("backward"):
             return original_backward(self, *args, **kwargs)
