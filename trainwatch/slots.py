@@ -57,6 +57,11 @@ SEQ = struct.Struct("<Q")
 A_BODY = struct.Struct("<qiiiiqddddddiidq")
 A_OFF = 0
 A_BODY_OFF = A_OFF + SEQ.size
+# Hot-path sub-structs of region A (the identity fields are written once).
+A_DYN = struct.Struct("<qddddddiidq")  # step .. py_collectives
+A_DYN_OFF = A_BODY_OFF + 24
+A_PHASE = struct.Struct("<iidq")  # phase, pad, phase_mono, py_collectives
+A_PHASE_OFF = A_BODY_OFF + 80
 # Region B: seq, heartbeat_mono, fr_ok, ngroups, sampled_step, then groups
 B_OFF = 160
 B_HEAD = struct.Struct("<diiq")
@@ -308,7 +313,8 @@ class Segment:
 class SlotWriter:
     """The rank side of one slot. Only the owning rank's threads write here."""
 
-    __slots__ = ("_buf", "_base", "_seq_a", "_seq_b", "_ident", "_a_off", "_seq_off", "_body", "_seq")
+    __slots__ = ("_buf", "_base", "_seq_a", "_seq_b", "_ident", "_a_off", "_seq_off", "_body", "_seq",
+                 "_dyn", "_dyn_off", "_ph", "_ph_off")
 
     def __init__(self, segment: Segment, index: int, *, pid: int, rank: int, world_size: int, restart: int):
         self._buf = segment.buf
@@ -320,6 +326,30 @@ class SlotWriter:
         self._seq_off = self._base + A_OFF
         self._body = A_BODY.pack_into
         self._seq = SEQ.pack_into
+        self._dyn = A_DYN.pack_into
+        self._dyn_off = self._base + A_DYN_OFF
+        self._ph = A_PHASE.pack_into
+        self._ph_off = self._base + A_PHASE_OFF
+
+    def write_fast(self, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono, phase, phase_mono,
+                   py_collectives) -> None:
+        """write_step without the identity fields (written once by write_step):
+        the per-step call, kept to three struct writes."""
+        seq = self._seq_a + 1
+        buf = self._buf
+        self._seq(buf, self._seq_off, seq)
+        self._dyn(buf, self._dyn_off, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono,
+                  phase, 0, phase_mono, py_collectives)
+        self._seq_a = seq + 1
+        self._seq(buf, self._seq_off, seq + 1)
+
+    def write_phase(self, phase: int, phase_mono: float, py_collectives: int) -> None:
+        seq = self._seq_a + 1
+        buf = self._buf
+        self._seq(buf, self._seq_off, seq)
+        self._ph(buf, self._ph_off, phase, 0, phase_mono, py_collectives)
+        self._seq_a = seq + 1
+        self._seq(buf, self._seq_off, seq + 1)
 
     def write_step(
         self,

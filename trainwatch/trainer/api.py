@@ -16,8 +16,7 @@ import mmap
 import os
 import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from trainwatch import slots
 
@@ -91,6 +90,8 @@ class Telemetry:
         self._sample_lock = threading.Lock()
         self._fr = FlightRecorderReader()
         self._hooks: list[Callable[[int], None]] = []
+        self._emergency: Any = None
+        self._scopes: dict[str, _PhaseScope] = {}
         self._publish()
 
     # ---- step path ----------------------------------------------------------
@@ -112,23 +113,26 @@ class Telemetry:
         self._record(loss, grad_norm, step, compute_s)
 
     def _record(self, loss: Any, grad_norm: Any, step: int | None, compute_s: float | None) -> None:
-        now = time.monotonic()
-        self._step = self._step + 1 if step is None else int(step)
+        # The hot path: plain attribute work and three struct writes.
+        now = _monotonic()
+        self._step = n = self._step + 1 if step is None else step
         step_s = now - self._last
         self._last = now
         if loss is not None:
-            self._loss = float(loss)
+            self._loss = loss if loss.__class__ is float else float(loss)
         if grad_norm is not None:
-            self._grad_norm = float(grad_norm)
+            self._grad_norm = grad_norm if grad_norm.__class__ is float else float(grad_norm)
         self._step_s = step_s
         if compute_s is not None:
             self._compute_s = compute_s
-        elif self._wait_s > 0.0 or self._phase_name in slots.WAIT_PHASES:
-            self._compute_s = max(0.0, step_s - self._wait_s)
+        elif self._wait_s:
+            self._compute_s = step_s - self._wait_s if step_s > self._wait_s else 0.0
         self._wait_s = 0.0
-        self._publish(now)
-        for hook in self._hooks:
-            hook(self._step)
+        self._writer.write_fast(n, self._loss, self._grad_norm, step_s, self._compute_s, now, self._start,
+                                self._phase, self._phase_since, self.py_collectives)
+        if self._hooks:
+            for hook in self._hooks:
+                hook(n)
 
     def _publish(self, now: float | None = None) -> None:
         self._writer.write_step(
@@ -144,29 +148,25 @@ class Telemetry:
             self.py_collectives,
         )
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Mark a phase of the step (data, forward, backward, optimizer, checkpoint, eval...)."""
-        code = slots.PHASE_CODES.get(name)
-        if code is None:
-            raise ValueError(f"unknown phase {name!r}; use one of {', '.join(slots.PHASES)}")
-        prev, prev_name = self._phase, self._phase_name
-        start = time.monotonic()
-        self._set_phase(code, name, start)
-        try:
-            yield
-        finally:
-            end = time.monotonic()
-            if name in slots.WAIT_PHASES:
-                self._wait_s += end - start
-            self._set_phase(prev, prev_name, end)
+    def phase(self, name: str) -> "_PhaseScope":
+        """Mark a phase of the step (data, forward, backward, optimizer, checkpoint, eval...):
+        `with tw.phase("data"): ...`"""
+        scope = self._scopes.get(name)
+        if scope is None or scope.active:
+            code = slots.PHASE_CODES.get(name)
+            if code is None:
+                raise ValueError(f"unknown phase {name!r}; use one of {', '.join(slots.PHASES)}")
+            scope = _PhaseScope(self, code, name)
+            if name not in self._scopes:
+                self._scopes[name] = scope
+        return scope
 
     def set_phase(self, name: str) -> None:
-        self._set_phase(slots.PHASE_CODES[name], name, time.monotonic())
+        self._set_phase(slots.PHASE_CODES[name], name, _monotonic())
 
     def _set_phase(self, code: int, name: str, now: float) -> None:
         self._phase, self._phase_name, self._phase_since = code, name, now
-        self._publish()
+        self._writer.write_phase(code, now, self.py_collectives)
 
     @property
     def phase_name(self) -> str:
@@ -174,11 +174,32 @@ class Telemetry:
 
     # ---- state for emergency checkpoints ------------------------------------
 
-    def register_state(self, model: Any = None, optimizer: Any = None, *, state_fn: Callable[[], dict] | None = None) -> None:
+    def register_state(
+        self,
+        model: Any = None,
+        optimizer: Any = None,
+        *,
+        state_fn: Callable[[], dict] | None = None,
+        checkpoint_dir: str | None = None,
+        keep: int | None = None,
+    ) -> None:
         """Name what an emergency checkpoint saves: a model and optimizer, or any
-        callable returning a state dict."""
+        callable returning a state dict. With checkpoint_dir (and under
+        `trainwatch launch`), the state is staged to CPU after every step and
+        written there when the watchdog asks, even while this rank is hung."""
         self._state_refs = (model, optimizer)
         self._state_fn = state_fn
+        if checkpoint_dir and self.attached and self._emergency is None:
+            from trainwatch.trainer.emergency import EmergencyCheckpointer
+
+            self._emergency = EmergencyCheckpointer(self, checkpoint_dir, self.state_dict, keep=keep)
+            self._hooks.append(self._emergency.stage)
+
+    def emergency_save(self, reason: str) -> str | None:
+        """Write the last staged state now (e.g. a peer died and this rank is exiting)."""
+        if self._emergency is None:
+            return None
+        return self._emergency.write(reason)
 
     def state_dict(self) -> dict:
         if self._state_fn is not None:
@@ -221,6 +242,8 @@ class Telemetry:
         while not self._stop.wait(interval_s):
             try:
                 self.sample_now()
+                if self._emergency is not None:
+                    self._emergency.poll(self._writer)
             except Exception:  # one bad round must not end the heartbeat
                 log.debug("trainwatch sampler round failed", exc_info=True)
 
@@ -240,6 +263,37 @@ class Telemetry:
         if self._sampler is not None:
             self._sampler.join(timeout=2)
         self._set_phase(slots.PHASE_CODES["done"], "done", time.monotonic())
+
+
+class _PhaseScope:
+    """Context manager for one phase; reused per phase name (no generator per call)."""
+
+    __slots__ = ("tw", "code", "name", "wait", "prev", "prev_name", "start", "active")
+
+    def __init__(self, tw: Telemetry, code: int, name: str):
+        self.tw, self.code, self.name = tw, code, name
+        self.wait = name in slots.WAIT_PHASES
+        self.active = False
+
+    def __enter__(self) -> None:
+        tw = self.tw
+        self.active = True
+        self.prev, self.prev_name = tw._phase, tw._phase_name
+        self.start = now = _monotonic()
+        tw._phase, tw._phase_name, tw._phase_since = self.code, self.name, now
+        tw._writer.write_phase(self.code, now, tw.py_collectives)
+
+    def __exit__(self, *exc: Any) -> None:
+        tw = self.tw
+        now = _monotonic()
+        if self.wait:
+            tw._wait_s += now - self.start
+        tw._phase, tw._phase_name, tw._phase_since = self.prev, self.prev_name, now
+        tw._writer.write_phase(self.prev, now, tw.py_collectives)
+        self.active = False
+
+
+_monotonic = time.monotonic
 
 
 class FlightRecorderReader:

@@ -18,6 +18,9 @@ from trainwatch import slots
 if TYPE_CHECKING:
     from trainwatch.watchdog.sidecar import Sidecar
 
+INCIDENT_KINDS = ("hang", "collective_mismatch", "straggler", "crash", "loss_nan", "loss_spike",
+                  "grad_explosion", "xid", "ecc", "restart")
+
 # Step-duration buckets (seconds): from fast GPU steps to multi-minute ones.
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -114,7 +117,9 @@ class TrainwatchCollector(Collector):
         incidents = CounterMetricFamily(
             "trainwatch_incidents", "Incidents raised, by kind.", labels=["job", "node", "kind"]
         )
-        for kind, n in sorted(sc.incident_counts.items()):
+        # Every known kind starts at 0, so increase() counts the first incident too.
+        counts = dict.fromkeys(INCIDENT_KINDS, 0) | sc.incident_counts
+        for kind, n in sorted(counts.items()):
             incidents.add_metric([job, sc.node, kind], float(n))
         yield incidents
         restarts = CounterMetricFamily("trainwatch_restarts", "Worker group restarts.", labels=["job", "node"])

@@ -1,0 +1,158 @@
+"""Telemetry overhead: what one `tw.step()` costs, and what the whole
+instrumentation costs a real DDP training step.
+
+    python benchmarks/overhead.py [--ranks 2] [--model-size small] [--pairs 12] [--block 15]
+
+record_ns: median cost of one tw.step(loss=..., grad_norm=...) into a real
+shared-memory slot (sampler thread running, as under `trainwatch launch`).
+
+step_overhead_ratio: median step time with telemetry / without, measured in
+the same run with the same ranks: each rank alternates blocks of steps with
+the full instrumentation (phases + step record + sampler thread) and blocks
+without, ON/OFF interleaved so machine drift hits both equally.
+
+Prints progress to stderr; the LAST line on stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainwatch import slots
+from trainwatch.trainer import api
+
+
+def measure_record_ns(calls: int = 20000, batches: int = 15) -> float:
+    path = os.path.join(tempfile.mkdtemp(), "seg")
+    slots.create_segment(path, 1)
+    seg = slots.Segment(path)
+    tw = api.Telemetry(seg, 0, rank=0, world_size=1, restart=0, attached=True)
+    tw.start_sampler()
+    per_call = []
+    for _ in range(batches):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            tw.step(loss=1.0, grad_norm=0.5)
+        per_call.append((time.perf_counter_ns() - t0) / calls)
+    tw.close()
+    return statistics.median(per_call)
+
+
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from trainwatch.trainer.config import MODEL_PRESETS
+    from trainwatch.trainer.data import get_batch, load_corpus
+    from trainwatch.trainer.model import GPT
+
+    preset = MODEL_PRESETS[args.model_size]
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(GPT(preset))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    corpus = load_corpus()
+    seg_path = os.path.join(out_path + ".d", "seg")
+    tw = api.Telemetry(slots.Segment(seg_path), rank, rank=rank, world_size=world, restart=0, attached=True)
+
+    def step(i: int, on: bool) -> None:
+        x, y = get_batch(corpus, seed=0, step=i, rank=rank, batch_size=preset.batch_size, seq_len=preset.seq_len)
+        if on:
+            with tw.phase("data"):
+                pass
+            with tw.phase("forward"):
+                _, loss = model(x, y)
+            with tw.phase("backward"):
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            with tw.phase("optimizer"):
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+            tw.step(loss=float(loss), grad_norm=float(norm), step=i)
+        else:
+            _, loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            float(loss), float(norm)  # the same host reads the ON path does
+
+    for i in range(args.warmup):
+        step(i, i % 2 == 0)
+    times = {True: [], False: []}
+    i = args.warmup
+    for pair in range(args.pairs):
+        order = (True, False) if pair % 2 == 0 else (False, True)
+        for on in order:
+            if on:
+                tw.start_sampler() if tw._sampler is None else None
+            dist.barrier()
+            for _ in range(args.block):
+                t0 = time.perf_counter()
+                step(i, on)
+                times[on].append(time.perf_counter() - t0)
+                i += 1
+        if rank == 0:
+            print(f"  pair {pair + 1}/{args.pairs}: on {statistics.median(times[True]) * 1e3:.2f} ms, "
+                  f"off {statistics.median(times[False]) * 1e3:.2f} ms", file=sys.stderr, flush=True)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"on": times[True], "off": times[False]}, f)
+    tw.close()
+    dist.destroy_process_group()
+
+
+def measure_step_ratio(args: argparse.Namespace) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(tempfile.mkdtemp(), "times.json")
+    os.makedirs(out + ".d")
+    slots.create_segment(os.path.join(out + ".d", "seg"), args.ranks)
+    mp.start_processes(_rank_main, args=(args.ranks, port, args, out), nprocs=args.ranks, start_method="spawn")
+    with open(out) as f:
+        times = json.load(f)
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    return {"step_ms_on": round(on * 1e3, 3), "step_ms_off": round(off * 1e3, 3), "ratio": on / off, "steps": len(times["on"])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--model-size", default="small")
+    p.add_argument("--pairs", type=int, default=12, help="ON/OFF block pairs")
+    p.add_argument("--block", type=int, default=15, help="steps per block")
+    p.add_argument("--warmup", type=int, default=10)
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print("measuring record cost ...", file=sys.stderr, flush=True)
+    record_ns = measure_record_ns()
+    print(f"  record_ns = {record_ns:.0f}", file=sys.stderr, flush=True)
+    print(f"measuring step overhead: {args.ranks} ranks, model {args.model_size}, "
+          f"{args.pairs} interleaved pairs of {args.block}-step blocks ...", file=sys.stderr, flush=True)
+    step = measure_step_ratio(args)
+    result = {
+        "record_ns": round(record_ns, 1),
+        "step_overhead_ratio": round(step["ratio"], 4),
+        "step_ms_with": step["step_ms_on"],
+        "step_ms_without": step["step_ms_off"],
+        "steps_per_side": step["steps"],
+        "ranks": args.ranks,
+        "model_size": args.model_size,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

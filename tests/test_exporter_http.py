@@ -1,0 +1,172 @@
+"""End-to-end: the sidecar's Prometheus endpoint, scraped over HTTP during a
+real 2-rank `trainwatch launch`, parsed with prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from util import ROOT, SCRIPTS, env_for, job_json, wait_for
+
+pytestmark = pytest.mark.slow
+
+JOB = "exporter-e2e"
+RANKS = {"0", "1"}
+
+
+@pytest.fixture(scope="module")
+def live_job(tmp_path_factory):
+    """Yields job.json of a running 2-rank job once its exporter address is recorded."""
+    home = tmp_path_factory.mktemp("twhome")
+    log_path = home.parent / "launch.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "trainwatch"), "launch", "--nproc-per-node", "2", "--metrics-port", "0",
+             "--job", JOB, str(SCRIPTS / "plain_ddp.py"), "--steps", "100000", "--sleep", "0.05"],
+            env=env_for(home), stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True,
+        )
+    try:
+        def recorded():
+            if proc.poll() is not None:
+                raise AssertionError(f"launch exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            job = job_json(home, JOB)
+            return job if job and job.get("metrics") else None
+
+        yield wait_for(recorded, 120, interval=0.2, what="the metrics address in job.json")
+    finally:
+        # The launcher stops its ranks and sidecar on SIGTERM; SIGKILL the
+        # process group afterwards so nothing outlives the test.
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def scrape(address: str) -> dict:
+    """name -> metric family, as Prometheus would read it."""
+    r = requests.get(f"http://{address}/metrics", timeout=5)
+    r.raise_for_status()
+    assert r.headers["Content-Type"].startswith("text/plain")
+    return {family.name: family for family in text_string_to_metric_families(r.text)}
+
+
+def per_rank(family, sample_name: str | None = None) -> dict[str, float]:
+    name = sample_name or family.name
+    return {s.labels["rank"]: s.value for s in family.samples if s.name == name}
+
+
+def scrape_until(address: str, predicate, what: str, timeout: float = 60):
+    """Scrape repeatedly until predicate(families) holds; returns the families."""
+
+    def attempt():
+        families = scrape(address)
+        return families if predicate(families) else None
+
+    return wait_for(attempt, timeout, interval=0.2, what=what)
+
+
+def test_exporter_binds_loopback_only(live_job):
+    host, port = live_job["metrics"].rsplit(":", 1)
+    assert host == "127.0.0.1"
+    listening = [
+        c.laddr for c in psutil.Process(live_job["sidecar_pid"]).net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port)
+    ]
+    assert [a.ip for a in listening] == ["127.0.0.1"], listening
+
+
+def test_step_is_per_rank_and_increases(live_job):
+    address = live_job["metrics"]
+
+    def both_ranks_stepping(families):
+        step = families.get("trainwatch_step")
+        return step is not None and set(per_rank(step)) == RANKS and min(per_rank(step).values()) >= 1
+
+    first = scrape_until(address, both_ranks_stepping, "both ranks to report a step")
+    step = first["trainwatch_step"]
+    assert step.type == "gauge"
+    assert len(step.samples) == 2
+    for sample in step.samples:
+        assert set(sample.labels) == {"job", "node", "rank"}
+        assert sample.labels["job"] == JOB and sample.labels["node"] == live_job["node"]
+    before = per_rank(step)
+    scrape_until(
+        address,
+        lambda f: all(per_rank(f["trainwatch_step"]).get(r, -1) > before[r] for r in RANKS),
+        "every rank's step to increase between scrapes",
+    )
+
+
+def test_step_duration_histogram_has_buckets_per_rank(live_job):
+    def observed(families):
+        hist = families.get("trainwatch_step_duration_seconds")
+        return hist is not None and set(per_rank(hist, "trainwatch_step_duration_seconds_count")) == RANKS and min(
+            per_rank(hist, "trainwatch_step_duration_seconds_count").values()
+        ) >= 1
+
+    hist = scrape_until(live_job["metrics"], observed, "step durations for both ranks")["trainwatch_step_duration_seconds"]
+    assert hist.type == "histogram"
+    for rank in RANKS:
+        buckets = [s for s in hist.samples if s.name.endswith("_bucket") and s.labels["rank"] == rank]
+        bounds = [s.labels["le"] for s in buckets]
+        assert "+Inf" in bounds and len(bounds) > 5
+        counts = [s.value for s in buckets]
+        assert counts == sorted(counts), "bucket counts must be cumulative"
+        assert counts[-1] == per_rank(hist, "trainwatch_step_duration_seconds_count")[rank]
+        assert per_rank(hist, "trainwatch_step_duration_seconds_sum")[rank] > 0
+
+
+def test_progress_age_is_small_while_training(live_job):
+    families = scrape_until(
+        live_job["metrics"],
+        lambda f: set(per_rank(f["trainwatch_last_progress_age_seconds"])) == RANKS,
+        "progress age for both ranks",
+    )
+    ages = per_rank(families["trainwatch_last_progress_age_seconds"])
+    # Steps take ~0.05 s; a few seconds leaves room for a loaded CI machine.
+    assert all(0 <= age < 10 for age in ages.values()), ages
+
+
+def test_collective_seq_has_enqueued_and_completed(live_job):
+    def both_states(families):
+        seq = families.get("trainwatch_collective_seq")
+        if seq is None:
+            return False
+        seen = {(s.labels["rank"], s.labels["state"]) for s in seq.samples}
+        return seen >= {(r, state) for r in RANKS for state in ("enqueued", "completed")}
+
+    seq = scrape_until(live_job["metrics"], both_states, "collective counters for both ranks")["trainwatch_collective_seq"]
+    for sample in seq.samples:
+        assert {"job", "node", "rank", "pg", "state"} <= set(sample.labels)
+        assert sample.value >= 0
+    completed = [s.value for s in seq.samples if s.labels["state"] == "completed"]
+    assert max(completed) >= 1, "DDP's gradient all_reduces were not counted"
+
+
+def test_incident_and_restart_counters_are_exported(live_job):
+    families = scrape(live_job["metrics"])
+    # prometheus_client's parser names counter families without "_total".
+    incidents = families["trainwatch_incidents"]
+    assert incidents.type == "counter"
+    # No incident in a healthy run, so the family may have no sample yet;
+    # any sample present is labelled by kind.
+    assert all({"job", "node", "kind"} <= set(s.labels) for s in incidents.samples)
+    restarts = families["trainwatch_restarts"]
+    assert restarts.type == "counter"
+    totals = [s for s in restarts.samples if s.name == "trainwatch_restarts_total"]
+    assert [(s.labels["job"], s.value) for s in totals] == [(JOB, 0.0)]
