@@ -134,6 +134,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, WatchConfig]:
                 f"training script {args.training_script!r} not found; give a path to a Python file, "
                 "or `-m MODULE`, or nothing to run the integrated trainer"
             )
+    if args.module and args.training_script == DEFAULT_MODULE:
+        _check_trainer_args(args.training_script_args)
     try:
         faults = [inject.parse(spec) for spec in args.inject]
     except inject.InjectError as e:
@@ -150,6 +152,32 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, WatchConfig]:
         emergency_timeout_s=args.emergency_timeout,
     )
     return args, config
+
+
+def _check_trainer_args(argv: list[str]) -> None:
+    """Validate the integrated trainer's flags here, once, instead of every rank
+    failing with its own copy of the error after the workers start."""
+    from trainwatch.trainer.__main__ import build_parser
+    from trainwatch.trainer.config import TrainConfig, UsageError, resolve
+
+    parser = build_parser()
+
+    def fail(message: str):
+        raise LaunchError(f"trainer: {message} (see `python -m trainwatch.trainer --help`)")
+
+    parser.error = fail  # type: ignore[method-assign]
+    cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    try:
+        cfg = resolve(cfg)
+        if cfg.ckpt_dir:
+            from trainwatch.trainer.checkpoint import CheckpointError, ensure_writable
+
+            try:
+                ensure_writable(cfg.ckpt_dir)
+            except CheckpointError as e:
+                raise LaunchError(str(e)) from None
+    except UsageError as e:
+        raise LaunchError(str(e)) from None
 
 
 class SidecarProcess:
@@ -277,6 +305,9 @@ def launch(argv: list[str]) -> int:
     os.environ["TRAINWATCH_SLOTS"] = segment_path
     os.environ["TRAINWATCH_INJECT"] = inject.encode(config.faults)
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    # Checkpoints (periodic and emergency) default into the job's directory, so a
+    # restarted worker group resumes from them with no flag.
+    os.environ.setdefault("TRAINWATCH_CKPT_DIR", str(job_dir / "checkpoints"))
     if config.kernel_log:
         os.environ["TRAINWATCH_KERNEL_LOG"] = config.kernel_log
 

@@ -1,0 +1,81 @@
+"""`python -m trainwatch.trainer [flags]`: the integrated trainer's command line.
+
+Flags are generated from TrainConfig's fields (max_steps -> --max-steps). A bad
+flag, an unusable --ckpt-dir or a bad checkpoint prints one `error: ...` line
+and exits 2; nothing already on disk is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import NoReturn, Sequence
+
+from trainwatch.trainer.config import DEVICES, MODEL_PRESETS, PRECISIONS, TrainConfig, UsageError, field_docs, flag, resolve
+
+EXIT_USAGE = 2
+_CHOICES = {"device": DEVICES, "precision": PRECISIONS, "model_size": tuple(MODEL_PRESETS)}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, no usage block: the message already names the flag to fix.
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _value_type(annotation: str) -> type:
+    if "int" in annotation:
+        return int
+    if "float" in annotation:
+        return float
+    return str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m trainwatch.trainer",
+        description="Train a small byte-level GPT on the built-in corpus (CPU or GPU, one or many ranks).",
+        allow_abbrev=False,
+    )
+    docs = field_docs(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        kind = _value_type(str(f.type))
+        default = f.default
+        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
+        if default is not None:
+            help_text += f" (default: {default})"
+        parser.add_argument(
+            f"--{flag(f.name)}",
+            dest=f.name,
+            type=kind,
+            default=default,
+            choices=_CHOICES.get(f.name),
+            metavar=None if f.name in _CHOICES else f.name.upper(),
+            help=help_text,
+        )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = TrainConfig(**vars(args))
+    # Imported after parsing so --help and flag errors answer without loading torch.
+    from trainwatch.trainer.checkpoint import CheckpointError
+
+    try:
+        cfg = resolve(cfg)
+        from trainwatch.trainer.train import train
+
+        train(cfg)
+    except (UsageError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

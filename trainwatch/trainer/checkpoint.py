@@ -1,0 +1,395 @@
+"""Checkpoints on disk: atomic directories with a checksummed manifest.
+
+Layout under a checkpoint directory:
+
+    step-00000030/                    periodic checkpoint (rank 0 writes state.pt)
+      state.pt
+      manifest.json                   {"format", "step", "kind", "time", "world_size",
+                                       "rank", "files": {name: {"sha256", "bytes"}}, "replicated"}
+    step-00000031-emergency-r3/       emergency checkpoint written by rank 3 alone
+      state-rank3.pt
+      manifest.json
+    .tmp-step-00000060-4242/          a save in progress (or killed mid-write): ignored
+
+A save writes everything into a temp directory, fsyncs each file, writes the
+manifest last, then renames the directory into place and fsyncs the parent. A
+crash at any point leaves either the old set of checkpoints or the new one,
+never a half-written directory under a final name. Training state is replicated
+across data-parallel ranks, so any one file that verifies is a whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+FORMAT = 1
+KINDS = ("periodic", "emergency")
+MANIFEST = "manifest.json"
+_OWNER = ".owner"
+_NAME_RE = re.compile(r"^step-(\d{8,})(?:-emergency-r(\d+))?$")
+_TEMP_RE = re.compile(r"^\.tmp-(?:old-)?step-\d{8,}(?:-emergency-r\d+)?-(\d+)$")
+_HASH_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written, found or trusted; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A checkpoint directory that passed verification."""
+
+    path: Path
+    """The checkpoint directory."""
+    step: int
+    """Last finished training step the state belongs to."""
+    kind: str
+    """'periodic' or 'emergency'."""
+    file: Path
+    """A state file whose size and sha256 match the manifest (load this one)."""
+    manifest: dict
+    """The parsed manifest.json."""
+
+
+def checkpoint_name(step: int, *, kind: str = "periodic", rank: int = 0) -> str:
+    """Directory name of a checkpoint: step-00000030 or step-00000030-emergency-r1."""
+    if kind == "periodic":
+        return f"step-{step:08d}"
+    return f"step-{step:08d}-emergency-r{rank}"
+
+
+def state_file_name(*, kind: str = "periodic", rank: int = 0) -> str:
+    return "state.pt" if kind == "periodic" else f"state-rank{rank}.pt"
+
+
+# ---- writing ---------------------------------------------------------------------
+
+
+def ensure_writable(ckpt_dir: str | os.PathLike) -> Path:
+    """Create ckpt_dir if needed and prove a file can be written there, so a bad
+    --ckpt-dir fails at start-up instead of at the first save, hours later."""
+    root = Path(ckpt_dir)
+    probe = root / f".probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"--ckpt-dir must be a writable directory; got {root} ({e.strerror or e})"
+        ) from None
+    return root
+
+
+class _HashingWriter:
+    """File-like that hashes bytes on their way to disk, so a save reads nothing back."""
+
+    def __init__(self, f: Any):
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha.update(view)
+        self.bytes += view.nbytes
+        return self._f.write(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    step: int,
+    state: dict,
+    *,
+    kind: str = "periodic",
+    keep: int | None = 3,
+    rank: int = 0,
+    world_size: int = 1,
+    fault_point: Callable[[], None] | None = None,
+) -> Path:
+    """Write state atomically as checkpoint `step`; return the final directory.
+
+    kind: 'periodic' (rank 0 writes state.pt) or 'emergency' (this rank writes
+    state-rank{rank}.pt into its own directory, so ranks never collide).
+    keep: after a successful save, delete the oldest complete checkpoints so
+    that at most this many steps remain; None keeps everything.
+    fault_point: called once the state file is open and before the rename
+    (where a fault injector hangs or kills a rank mid-write).
+    state holds tensors, dicts, lists, numbers and strings only, so it loads
+    with torch.load(weights_only=True).
+    """
+    import torch
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0; got {step}")
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 or None; got {keep}")
+    root = Path(ckpt_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"--ckpt-dir must be a writable directory; got {root} ({e.strerror or e})") from None
+    remove_stale_temp(root)
+    final = root / checkpoint_name(step, kind=kind, rank=rank)
+    # Kind and rank in the temp name: an emergency save may run on a background
+    # thread while the training thread writes a periodic one for the same step.
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    fname = state_file_name(kind=kind, rank=rank)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # our own pid: a failed earlier attempt in this process
+        tmp.mkdir()
+        # Lets a cleaner on another node of a shared filesystem tell our pid from its own.
+        (tmp / _OWNER).write_text(socket.gethostname())
+        with open(tmp / fname, "wb") as f:
+            if fault_point is not None:
+                fault_point()
+            writer = _HashingWriter(f)
+            torch.save(state, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        manifest = {
+            "format": FORMAT,
+            "step": int(step),
+            "kind": kind,
+            "time": time.time(),
+            "world_size": int(world_size),
+            "rank": int(rank),
+            "files": {fname: {"sha256": writer.sha.hexdigest(), "bytes": writer.bytes}},
+            "replicated": True,
+        }
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            # Same step saved twice (a resumed run re-saving its last step): the old
+            # copy goes only after the new one is complete on disk.
+            old = root / f".tmp-old-{final.name}-{os.getpid()}"
+            os.rename(final, old)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                os.rename(old, final)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+        try:
+            (final / _OWNER).unlink(missing_ok=True)
+        except OSError:
+            pass  # a leftover mark inside a complete checkpoint is harmless
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"cannot write checkpoint {final} ({e.strerror or e}); free space or pass a writable --ckpt-dir"
+        ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep is not None:
+        apply_retention(root, keep)
+    return final
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_stale_temp(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Delete temp directories of saves whose process is gone (killed mid-write)."""
+    removed = []
+    host = socket.gethostname()
+    try:
+        entries = list(Path(ckpt_dir).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP_RE.match(entry.name)
+        if not m or not entry.is_dir():
+            continue
+        pid = int(m.group(1))
+        try:
+            owner = (entry / _OWNER).read_text().strip()
+        except OSError:
+            owner = host  # killed before the mark was written (or a renamed-away old copy)
+        if owner != host or pid == os.getpid() or _pid_alive(pid):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _complete(path: Path) -> bool:
+    """Cheap completeness check for retention: manifest parses and files have their sizes."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        return bool(files) and all((path / name).stat().st_size == meta["bytes"] for name, meta in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def apply_retention(ckpt_dir: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep` steps; return them.
+
+    Incomplete or unreadable directories are left alone: they are skipped when
+    loading, and deleting on a guess could remove the only copy a user has.
+    """
+    steps: dict[int, list[Path]] = {}
+    for path, step, _kind, _rank in _candidates(Path(ckpt_dir)):
+        if _complete(path):
+            steps.setdefault(step, []).append(path)
+    removed = []
+    for step in sorted(steps, reverse=True)[keep:]:
+        for path in steps[step]:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# ---- finding and loading -------------------------------------------------------------
+
+
+def _candidates(root: Path) -> list[tuple[Path, int, str, int]]:
+    """(path, step, kind, rank) of every final-named checkpoint directory, newest first;
+    at equal steps a periodic checkpoint comes before emergency ones."""
+    out = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return out
+    for entry in entries:
+        m = _NAME_RE.match(entry.name)
+        if m and entry.is_dir():
+            emergency = m.group(2) is not None
+            out.append((entry, int(m.group(1)), "emergency" if emergency else "periodic", int(m.group(2) or 0)))
+    out.sort(key=lambda c: (-c[1], c[2] != "periodic", c[3]))
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
+    """Check a checkpoint directory's manifest and checksums; raise CheckpointError."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST})") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}/{MANIFEST} is unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}/{MANIFEST} has an unknown format (expected format {FORMAT})")
+    files = manifest.get("files")
+    step = manifest.get("step")
+    if not isinstance(files, dict) or not files or not isinstance(step, int):
+        raise CheckpointError(f"{path}/{MANIFEST} lists no files or no step")
+    problems = []
+    for name, meta in files.items():
+        file = path / name
+        if "/" in name or name.startswith("."):
+            problems.append(f"{name}: bad file name")
+            continue
+        try:
+            size = file.stat().st_size
+        except OSError as e:
+            problems.append(f"{name}: {e.strerror or e}")
+            continue
+        if size != meta.get("bytes"):
+            problems.append(f"{name}: {size} bytes, manifest says {meta.get('bytes')}")
+        elif _sha256(file) != meta.get("sha256"):
+            problems.append(f"{name}: sha256 mismatch")
+        else:
+            kind = manifest.get("kind", "periodic")
+            return CheckpointInfo(path=path, step=step, kind=kind, file=file, manifest=manifest)
+    raise CheckpointError(f"{path} is corrupt ({'; '.join(problems)})")
+
+
+def find_latest(ckpt_dir: str | os.PathLike, *, warn: Callable[[str], None] | None = None) -> CheckpointInfo | None:
+    """The newest checkpoint that verifies, or None; corrupt or truncated ones newer
+    than it are skipped with a one-line warning (default: to stderr)."""
+    warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    for path, _step, _kind, _rank in _candidates(Path(ckpt_dir)):
+        try:
+            return verify_checkpoint(path)
+        except CheckpointError as e:
+            warn(f"warning: skipping checkpoint: {e}")
+    return None
+
+
+def load_checkpoint(path_or_info: CheckpointInfo | str | os.PathLike) -> dict:
+    """Load a checkpoint's state dict onto the CPU (weights_only: no code runs on load).
+
+    Accepts a CheckpointInfo, a checkpoint directory (verified first) or a single
+    .pt file (verified against its directory's manifest when there is one).
+    """
+    import torch
+
+    if isinstance(path_or_info, CheckpointInfo):
+        file = path_or_info.file
+    else:
+        path = Path(path_or_info)
+        if path.is_dir():
+            file = verify_checkpoint(path).file
+        elif path.is_file():
+            file = path
+            if (path.parent / MANIFEST).exists():
+                manifest_files = _manifest_files(path.parent)
+                meta = manifest_files.get(path.name)
+                if meta is None or path.stat().st_size != meta.get("bytes") or _sha256(path) != meta.get("sha256"):
+                    raise CheckpointError(f"{path} is corrupt (does not match {path.parent / MANIFEST})")
+        else:
+            raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as e:  # torch raises RuntimeError, pickle errors, EOFError... for bad files
+        raise CheckpointError(f"{file} is not a loadable checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} does not hold a state dict")
+    return state
+
+
+def _manifest_files(path: Path) -> dict:
+    try:
+        files = json.loads((path / MANIFEST).read_text()).get("files")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path / MANIFEST} is unreadable ({e})") from None
+    return files if isinstance(files, dict) else {}

@@ -1,0 +1,168 @@
+"""Emergency checkpoints that work while the rank is hung.
+
+At the end of every step the training thread copies its registered state into
+one of two preallocated CPU buffers (on GPU: pinned memory, on a side stream,
+so the copy overlaps the next step). The rank's background thread watches the
+slot's control region; when the sidecar asks, it writes the newest complete
+buffer with the same atomic format as periodic checkpoints. No collective is
+involved, so a rank whose main thread is stuck in one can still save.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from trainwatch import slots
+
+log = logging.getLogger("trainwatch")
+
+
+def _alloc(value: Any) -> Any:
+    """A buffer shaped like value: tensors become (pinned) CPU tensors, containers recurse."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        pin = value.is_cuda
+        return torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
+    if isinstance(value, dict):
+        return {k: _alloc(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_alloc(v) for v in value)
+    return value
+
+
+def _same_shape(buf: Any, value: Any) -> bool:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return isinstance(buf, torch.Tensor) and buf.shape == value.shape and buf.dtype == value.dtype
+    if isinstance(value, dict):
+        return isinstance(buf, dict) and buf.keys() == value.keys() and all(_same_shape(buf[k], value[k]) for k in value)
+    if isinstance(value, (list, tuple)):
+        return isinstance(buf, (list, tuple)) and len(buf) == len(value) and all(
+            _same_shape(b, v) for b, v in zip(buf, value)
+        )
+    return True
+
+
+def _copy(buf: Any, value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        buf.copy_(value.detach(), non_blocking=value.is_cuda)
+        return buf
+    if isinstance(value, dict):
+        return {k: _copy(buf[k], v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy(b, v) for b, v in zip(buf, value))
+    return value
+
+
+class EmergencyCheckpointer:
+    def __init__(self, tw: Any, ckpt_dir: str, state_fn: Callable[[], dict], *, keep: int | None = None):
+        self.tw = tw
+        self.ckpt_dir = ckpt_dir
+        self.state_fn = state_fn
+        self.keep = keep
+        self._buffers: list[Any] = [None, None]
+        self._steps = [-1, -1]
+        self._events: list[Any] = [None, None]
+        self._current = -1  # index of the newest complete buffer
+        self._pinned = -1  # index the writer is reading
+        self._lock = threading.Lock()
+        self._done_request = 0
+        self._stream = None
+        self.last_written: str | None = None
+
+    # ---- training thread ------------------------------------------------------------
+
+    def stage(self, step: int) -> None:
+        with self._lock:
+            target = 1 - self._current if self._current >= 0 else 0
+            if target == self._pinned:
+                return  # the writer holds it; the next step stages again
+        state = self.state_fn()
+        buf = self._buffers[target]
+        if buf is None or not _same_shape(buf, state):
+            buf = _alloc(state)
+        event = None
+        import torch
+
+        if torch.cuda.is_available() and _has_cuda(state):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                buf = _copy(buf, state)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        else:
+            buf = _copy(buf, state)
+        self._buffers[target] = buf
+        self._events[target] = event
+        self._steps[target] = step
+        with self._lock:
+            self._current = target
+
+    # ---- background thread ------------------------------------------------------------
+
+    def poll(self, writer: Any) -> None:
+        """Called by the sampler thread: serve a pending checkpoint request."""
+        request = writer.read_request()
+        if request == 0 or request == self._done_request:
+            return
+        self._done_request = request
+        writer.write_checkpoint_status(request, slots.CKPT_WRITING, self.staged_step)
+        ok = self.write("requested by the watchdog") is not None
+        writer.write_checkpoint_status(request, slots.CKPT_OK if ok else slots.CKPT_FAILED, self.staged_step)
+
+    @property
+    def staged_step(self) -> int:
+        return self._steps[self._current] if self._current >= 0 else -1
+
+    def write(self, reason: str) -> str | None:
+        """Write the newest staged state; returns the checkpoint path or None."""
+        from trainwatch.trainer.checkpoint import save_checkpoint
+
+        with self._lock:
+            index = self._current
+            self._pinned = index
+        try:
+            if index < 0:
+                log.warning("trainwatch: no staged state yet; emergency checkpoint skipped")
+                return None
+            if self._events[index] is not None:
+                self._events[index].synchronize()
+            step = self._steps[index]
+            t0 = time.monotonic()
+            path = save_checkpoint(
+                self.ckpt_dir, step, self._buffers[index], kind="emergency", rank=self.tw.rank, keep=self.keep
+            )
+            self.last_written = str(path)
+            print(
+                f"[trainwatch] rank {self.tw.rank}: emergency checkpoint of step {step} written in "
+                f"{time.monotonic() - t0:.2f}s ({reason}): {path}",
+                flush=True,
+            )
+            return str(path)
+        except Exception as e:
+            log.error("trainwatch: emergency checkpoint failed on rank %s: %s", self.tw.rank, e)
+            return None
+        finally:
+            with self._lock:
+                self._pinned = -1
+
+
+def _has_cuda(state: Any) -> bool:
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.is_cuda
+    if isinstance(state, dict):
+        return any(_has_cuda(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(_has_cuda(v) for v in state)
+    return False

@@ -1,0 +1,330 @@
+"""The integrated training loop: a byte-level GPT on the built-in corpus, data
+parallel over torch.distributed, reporting every step to trainwatch.
+
+Runs under `torchrun` / `trainwatch launch` (RANK, WORLD_SIZE, MASTER_ADDR set;
+gloo on CPU, nccl on CUDA) or as one plain process (no process group).
+Everything a step depends on (weights, optimizer moments, LR, batch) is either
+in the checkpoint or a pure function of the step number, so a resumed run
+continues exactly where an uninterrupted one would be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import trainwatch
+from trainwatch.trainer import checkpoint as ckpt
+from trainwatch.trainer.config import MODEL_PRESETS, TrainConfig, UsageError, summary
+from trainwatch.trainer.data import get_batch, load_corpus
+from trainwatch.trainer.model import GPT, flops_per_token, peak_bf16_flops
+
+FP8_ERROR = "--precision fp8 needs a CUDA GPU and transformer-engine (pip install 'trainwatch[gpu]')"
+STATE_FORMAT = 1
+
+
+@dataclass(slots=True)
+class Runtime:
+    """Where this process runs: its place in the job and its device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    distributed: bool
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What a finished run reports (rank 0's view; losses are averaged over ranks)."""
+
+    first_step: int
+    last_step: int
+    first_loss: float
+    final_loss: float
+    wall_s: float
+    resumed_from: str | None
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Peak LR times a linear warm-up, then a cosine down to min_lr_ratio; a pure
+    function of the step, so it needs no scheduler state in the checkpoint."""
+    assert cfg.lr is not None and cfg.schedule_steps is not None and cfg.warmup_steps is not None
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(1, cfg.warmup_steps)
+    span = max(1, cfg.schedule_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _runtime(device_pref: str, environ: dict[str, str]) -> Runtime:
+    launched = "RANK" in environ and "WORLD_SIZE" in environ
+    if launched and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
+        raise UsageError(
+            "RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not; "
+            "start the trainer with trainwatch launch or torchrun, or unset RANK and WORLD_SIZE"
+        )
+    rank = int(environ.get("RANK", "0")) if launched else 0
+    world = int(environ.get("WORLD_SIZE", "1")) if launched else 1
+    local_rank = int(environ.get("LOCAL_RANK", "0")) if launched else 0
+    if device_pref == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda needs a CUDA GPU and a CUDA build of torch; use --device cpu or auto")
+    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return Runtime(rank=rank, local_rank=local_rank, world_size=world, device=device, distributed=launched)
+
+
+def _check_fp8(rt: Runtime) -> None:
+    if rt.device.type != "cuda":
+        raise UsageError(FP8_ERROR)
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        raise UsageError(FP8_ERROR) from None
+
+
+def _precision_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling
+
+    recipe = DelayedScaling()
+
+    @contextlib.contextmanager
+    def fp8() -> Iterator[None]:
+        # TE's Linear layers run their matmuls in fp8; the rest stays in bf16.
+        with torch.autocast(device.type, dtype=torch.bfloat16), te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            yield
+
+    return fp8
+
+
+def _optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def _resume_state(cfg: TrainConfig, rt: Runtime) -> tuple[dict | None, str | None]:
+    """The checkpoint to start from (state, where) per --resume, or (None, None)."""
+    if cfg.resume == "never":
+        return None, None
+    if cfg.resume != "auto":
+        try:
+            return ckpt.load_checkpoint(cfg.resume), cfg.resume
+        except ckpt.CheckpointError as e:
+            raise ckpt.CheckpointError(
+                f"--resume: {e}; pass a valid checkpoint directory, or --resume auto or never"
+            ) from None
+    if not cfg.ckpt_dir:
+        return None, None
+    warn = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rt.rank == 0 else (lambda msg: None)
+    info = ckpt.find_latest(cfg.ckpt_dir, warn=warn)
+    if info is None:
+        return None, None
+    return ckpt.load_checkpoint(info), str(info.path)
+
+
+def _restore(state: dict, where: str, model: GPT, opt: torch.optim.Optimizer, rt: Runtime, cfg: TrainConfig) -> int:
+    """Load weights, optimizer and RNG from a checkpoint state; return its step."""
+    try:
+        step = int(state["step"])
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        config = state.get("config")
+        saved = config.get("model_size") if isinstance(config, dict) else None
+        if saved and saved != cfg.model_size:
+            raise ckpt.CheckpointError(
+                f"checkpoint {where} was saved with --model-size {saved}, not {cfg.model_size}; "
+                f"pass --model-size {saved}, or --resume never to start over"
+            ) from None
+        detail = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ckpt.CheckpointError(
+            f"checkpoint {where} does not fit this model or optimizer ({detail}); "
+            "pass the flags it was saved with, or --resume never to start over"
+        ) from None
+    rng = state.get("rng", {})
+    if isinstance(rng.get("torch_cpu"), torch.Tensor):
+        torch.set_rng_state(rng["torch_cpu"])
+    if rt.device.type == "cuda" and isinstance(rng.get("cuda"), torch.Tensor):
+        torch.cuda.set_rng_state(rng["cuda"], rt.device)
+    return step
+
+
+def _state_dict(model: GPT, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig, rt: Runtime) -> dict:
+    """The full checkpoint state: plain tensors, dicts, lists, numbers and strings."""
+    rng: dict[str, torch.Tensor] = {"torch_cpu": torch.get_rng_state()}
+    if rt.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(rt.device)
+    return {
+        "format": STATE_FORMAT,
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": rng,
+        "seed": cfg.seed,
+        "world_size": rt.world_size,
+        "config": summary(cfg),
+    }
+
+
+def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainResult:
+    """Run (or resume) one training job; cfg must come from config.resolve().
+
+    Raises UsageError / CheckpointError for problems the user can fix; both are
+    raised before the process group exists whenever they can be detected early.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    start_wall = time.monotonic()
+    rt = _runtime(cfg.device, environ)
+    if cfg.precision == "fp8":
+        _check_fp8(rt)
+    if cfg.ckpt_dir:
+        ckpt.ensure_writable(cfg.ckpt_dir)
+    state, resumed_from = _resume_state(cfg, rt)
+    first_step = 1 if state is None else int(state.get("step", 0)) + 1
+    say = (lambda msg: print(msg, flush=True)) if rt.rank == 0 else (lambda msg: None)
+    if first_step > cfg.max_steps:
+        say(f"nothing to do: checkpoint {resumed_from} is at step {first_step - 1} >= --max-steps {cfg.max_steps}")
+        return TrainResult(first_step, first_step - 1, math.nan, math.nan, 0.0, resumed_from)
+
+    tw = trainwatch.init()
+    if rt.device.type == "cuda":
+        torch.cuda.set_device(rt.device)
+        torch.set_float32_matmul_precision("high")
+    if rt.distributed:
+        dist.init_process_group("nccl" if rt.device.type == "cuda" else "gloo")
+    try:
+        result = _run(cfg, rt, tw, state, resumed_from, first_step, say)
+    except Exception as e:
+        # A peer died or a collective failed: save the last completed step this
+        # rank staged before exiting, so the restart loses nothing.
+        tw.emergency_save(f"training stopped: {type(e).__name__}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    tw.close()
+    result.wall_s = time.monotonic() - start_wall
+    say(
+        f"done: steps {result.first_step}-{result.last_step} | first loss {result.first_loss:.4f} | "
+        f"final loss {result.final_loss:.4f} | ratio {result.final_loss / result.first_loss:.3f} | "
+        f"{result.wall_s:.1f}s"
+    )
+    return result
+
+
+def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: str | None, first_step: int, say) -> TrainResult:
+    preset = MODEL_PRESETS[cfg.model_size]
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank and every run
+    model = GPT(preset, fp8=cfg.precision == "fp8").to(rt.device)
+    opt = _optimizer(model, cfg, rt.device)
+    if state is not None:
+        _restore(state, resumed_from or "?", model, opt, rt, cfg)
+        say(f"resumed from {resumed_from} (step {first_step - 1})")
+        del state  # the checkpoint's tensors are copied in; free the CPU copy
+    ddp = model
+    if rt.distributed:
+        ddp = DistributedDataParallel(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    corpus = load_corpus()
+    autocast = _precision_context(cfg.precision, rt.device)
+    tokens_per_rank = cfg.batch_size * cfg.seq_len
+    peak = peak_bf16_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
+    flops_per_step = flops_per_token(model, cfg.seq_len) * tokens_per_rank
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+
+    done_step = first_step - 1
+    # Staged to CPU after every step, so the watchdog can save it while this rank hangs.
+    tw.register_state(state_fn=lambda: _state_dict(model, opt, done_step, cfg, rt),
+                      checkpoint_dir=cfg.ckpt_dir, keep=cfg.keep)
+    # Logging collectives get their own group, as in most real trainers: a rank
+    # that desynchronises there leaves DDP's gradient all-reduces intact.
+    log_group = dist.new_group() if rt.distributed else None
+    say(
+        f"trainer: model {cfg.model_size} ({model.num_params() / 1e6:.2f}M params) | world {rt.world_size} | "
+        f"device {rt.device.type} | {cfg.precision} | steps {first_step}-{cfg.max_steps} | "
+        f"batch {cfg.batch_size}x{cfg.seq_len} per rank | seed {cfg.seed}"
+    )
+
+    first_loss = final_loss = math.nan
+    window_s, window_n = 0.0, 0
+    for step in range(first_step, cfg.max_steps + 1):
+        t0 = time.monotonic()
+        lr = lr_at(step, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tw.fault_point("data")
+        with tw.phase("data"):
+            x, y = get_batch(corpus, seed=cfg.seed, step=step, rank=rt.rank, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+            x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+        tw.fault_point("forward")
+        with tw.phase("forward"):
+            with autocast():
+                _, loss = ddp(x, y)
+            loss = tw.perturb_loss(loss)
+        with tw.phase("backward"):
+            loss.backward()  # DDP all-reduces gradients during this call
+        with tw.phase("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        local = loss.detach().float()
+        mean = local.clone()
+        # An explicit logging collective, like real trainers' loss averaging; a
+        # rank told to skip it is the desynchronised rank the watchdog must catch.
+        if rt.distributed and not tw.skip_collective():
+            with tw.phase("collective"):
+                dist.all_reduce(mean, group=log_group)
+            mean /= rt.world_size
+        # One device-to-host copy per step for all three numbers.
+        local_v, mean_v, norm_v = torch.stack([local, mean, grad_norm.detach().float()]).tolist()
+        done_step = step
+        tw.step(loss=local_v, grad_norm=norm_v, step=step)
+        tw.fault_point("step_end")
+        step_s = time.monotonic() - t0
+        window_s, window_n = window_s + step_s, window_n + 1
+        if step == first_step:
+            first_loss = mean_v
+        final_loss = mean_v
+
+        if cfg.ckpt_dir and rt.rank == 0 and (step % cfg.ckpt_interval == 0 or step == cfg.max_steps):
+            with tw.phase("checkpoint"):
+                ckpt.save_checkpoint(
+                    cfg.ckpt_dir,
+                    step,
+                    _state_dict(model, opt, step, cfg, rt),
+                    keep=cfg.keep,
+                    rank=rt.rank,
+                    world_size=rt.world_size,
+                    fault_point=lambda: tw.fault_point("checkpoint"),
+                )
+        if step % cfg.log_interval == 0 or step == cfg.max_steps:
+            avg_s = window_s / window_n
+            line = (
+                f"step {step}/{cfg.max_steps} | loss {mean_v:.4f} | lr {lr:.1e} | step {avg_s:.3f}s | "
+                f"{tokens_per_rank * rt.world_size / avg_s:.0f} tok/s"
+            )
+            if peak is not None:
+                line += f" | mfu {100.0 * flops_per_step / avg_s / peak:.1f}%"
+            say(line)
+            window_s, window_n = 0.0, 0
+    return TrainResult(first_step, cfg.max_steps, first_loss, final_loss, 0.0, resumed_from)
