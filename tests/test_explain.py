@@ -1,0 +1,309 @@
+"""`trainwatch explain`: the golden corpus of real logs, input handling, `main`.
+
+The corpus is tests/fixtures/explain/*.txt: public logs (first line names
+the source) with `NAME.expected.json` beside each. Every expected finding
+must match some produced finding on the fields it lists (null = "must not be
+guessed"); every entry of an optional "absent" list must match none.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from trainwatch.diagnostics import explain, logparse
+from trainwatch.diagnostics.explain import explain_inputs, main, render_report
+
+FIXTURES = Path(__file__).parent / "fixtures" / "explain"
+CORPUS = sorted(FIXTURES.glob("*.txt"))
+STACK_CATEGORIES = {"collective_wait", "moe_all_to_all", "barrier", "gc_collect", "dataloader",
+                    "checkpoint_io", "compile_lock", "cuda_sync", "other"}
+
+
+def _expected(path: Path) -> dict | None:
+    expected = path.with_name(path.stem + ".expected.json")
+    return json.loads(expected.read_text()) if expected.exists() else None
+
+
+def _needed_modules(path: Path, expected: dict) -> set[str]:
+    """Sibling parsers a fixture depends on (skipped, not failed, while they are missing)."""
+    needed = set()
+    if path.name.startswith("stack-"):
+        needed.add("trainwatch.diagnostics.stacks")
+    for finding in expected.get("findings", []):
+        if finding.get("kind") == "stack" or finding.get("category") in STACK_CATEGORIES:
+            needed.add("trainwatch.diagnostics.stacks")
+        if finding.get("kind") == "xid" or finding.get("category") == "xid":
+            needed.add("trainwatch.diagnostics.kernel_log")
+    return needed
+
+
+def _missing_module(names: set[str]) -> str | None:
+    for name in sorted(names):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a sibling still being written may not import yet
+            return f"{name} not importable ({type(e).__name__})"
+    return None
+
+
+def _matches(expected: dict, produced: dict) -> bool:
+    return all(produced.get(key) == value for key, value in expected.items())
+
+
+def _score(path: Path) -> tuple[int, list[str]]:
+    """(expected findings matched, problems) for one fixture."""
+    expected = _expected(path)
+    report = explain_inputs([(path.name, path.read_bytes())])
+    produced = report["findings"]
+    problems = []
+    matched = 0
+    for want in expected.get("findings", []):
+        if any(_matches(want, got) for got in produced):
+            matched += 1
+        else:
+            problems.append(f"missing {want}")
+    for unwanted in expected.get("absent", []):
+        hits = [got for got in produced if _matches(unwanted, got)]
+        if hits:
+            problems.append(f"unexpected {unwanted}: {hits[0].get('evidence')}")
+    if report["errors"]:
+        problems.append(f"errors {report['errors']}")
+    return matched, problems
+
+
+def _skip_reason(path: Path) -> str | None:
+    expected = _expected(path)
+    if expected is None:
+        return f"{path.name} has no .expected.json yet"
+    return _missing_module(_needed_modules(path, expected))
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=[p.stem for p in CORPUS])
+def test_golden_fixture(path: Path) -> None:
+    reason = _skip_reason(path)
+    if reason:
+        pytest.skip(reason)
+    _, problems = _score(path)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=[p.stem for p in CORPUS])
+def test_every_finding_has_the_contract_keys(path: Path) -> None:
+    if _skip_reason(path):
+        pytest.skip("sibling parser or expectations missing")
+    for finding in explain_inputs([(path.name, path.read_bytes())])["findings"]:
+        assert set(logparse.FINDING_KEYS) <= finding.keys(), finding
+        assert finding["kind"] in ("stack", "xid", "error")
+        assert json.dumps(finding)  # plain JSON types only
+
+
+def test_corpus_size_and_accuracy(record_property) -> None:
+    logs = [p for p in CORPUS if p.name.startswith("log-")]
+    assert len(logs) >= 28
+    for path in logs:
+        assert path.read_text().startswith("# source: https://"), path.name
+        assert _expected(path) is not None, f"{path.name} has no .expected.json"
+    covered = {f["category"] for p in logs for f in _expected(p)["findings"]}
+    assert covered >= set(logparse.CATEGORIES), set(logparse.CATEGORIES) - covered
+
+    total = matched = files = 0
+    failures = []
+    for path in CORPUS:
+        if _skip_reason(path):
+            continue
+        files += 1
+        want = len(_expected(path).get("findings", []))
+        got, problems = _score(path)
+        total += want
+        matched += got
+        failures += [f"{path.name}: {p}" for p in problems if not p.startswith("missing")]
+    accuracy = matched / total if total else 1.0
+    record_property("explain_corpus_files", files)
+    record_property("explain_expected_findings", total)
+    record_property("explain_accuracy", round(accuracy, 4))
+    print(f"\nexplain golden corpus: {files} files ({len(logs)} logs), "
+          f"{matched}/{total} expected findings matched ({accuracy:.1%}), {len(failures)} false positives")
+    assert accuracy == 1.0 and not failures, failures
+
+
+def test_logs_of_two_nodes_name_the_rank_behind() -> None:
+    # Two excerpts of one job: node d003's rank 3 enqueued up to 2082 while
+    # node d004's rank 12 stopped at 2070. Neither file alone shows it.
+    names = ["log-milabench-269-node-d004-timeouts.txt", "log-milabench-269-node-d003-enqueued-ahead.txt"]
+    report = explain_inputs([(n, (FIXTURES / n).read_bytes()) for n in names])
+    mismatches = [f for f in report["findings"] if f["category"] == "collective_mismatch"]
+    assert len(mismatches) == 1
+    assert mismatches[0]["ranks"] == [12]
+    assert mismatches[0]["seq"] == 2082
+    assert mismatches[0]["evidence"] == "1 rank enqueued up to SeqNum 2082; rank 12 only 2070"
+    assert report["findings"][0] is mismatches[0]  # the culprit comes first
+
+
+def test_per_rank_files_compare_and_attach_the_file_rank() -> None:
+    line = "[E ProcessGroupNCCL.cpp:1664] Exception (either an error or timeout) detected by watchdog at work: {n}, " \
+           "last enqueued NCCL work: {n}, last completed NCCL work: {m}.\n"
+    timeout = "Watchdog caught collective operation timeout: WorkNCCL(SeqNum={n}, OpType=ALLREDUCE, NumelIn=1, " \
+              "NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.\n"
+    inputs = [
+        (f"logs/rank{r}.log", (timeout + line).format(n=n, m=n - 1).encode())
+        for r, n in ((0, 8242), (1, 8242), (2, 8242), (5, 8241))
+    ]
+    findings = explain_inputs(inputs)["findings"]
+    mismatch = findings[0]
+    assert mismatch["category"] == "collective_mismatch"
+    assert (mismatch["ranks"], mismatch["rank"], mismatch["seq"], mismatch["op"]) == ([5], 5, 8242, "ALLREDUCE")
+    assert mismatch["evidence"] == "3 ranks enqueued up to SeqNum 8242; rank 5 only 8241"
+    timeouts = [f for f in findings if f["category"] == "collective_timeout"]
+    assert sorted(r for f in timeouts for r in f["ranks"]) == [0, 1, 2, 5]
+    assert {tuple(f["ranks"]) for f in timeouts} == {(0, 1, 2), (5,)}
+
+
+def test_binary_empty_and_compressed_inputs_are_skipped_with_a_reason() -> None:
+    report = explain_inputs([
+        ("rank3.log", b"\x7fELF\x02\x01\x01\x00\x00\x00" * 50),
+        ("empty.log", b""),
+        ("blank.log", b"\n\n   \n"),
+        ("rank1.log.gz", gzip.compress(b"Heartbeat monitor timed out!")),
+        ("noise.bin", bytes(range(1, 32)) * 100),
+    ])
+    assert report["findings"] == []
+    assert report["errors"] == [
+        "rank3.log: binary file, skipped",
+        "empty.log: empty file, skipped",
+        "blank.log: empty file, skipped",
+        "rank1.log.gz: compressed file, skipped (decompress it first)",
+        "noise.bin: binary file, skipped",
+    ]
+
+
+def test_invalid_utf8_and_utf16_are_still_read() -> None:
+    broken = b"\xc3\x28\xfe garbage\nRuntimeError: CUDA error: an illegal memory access was encountered\n"
+    report = explain_inputs([("a.log", broken)])
+    assert report["errors"] == []
+    assert [f["category"] for f in report["findings"]] == ["illegal_memory_access"]
+    utf16 = "RuntimeError: CUDA error: uncorrectable ECC error encountered\n".encode("utf-16")
+    report = explain_inputs([("win.log", utf16)])
+    assert [f["category"] for f in report["findings"]] == ["ecc"]
+
+
+def test_file_rank_never_overrides_the_line_rank() -> None:
+    text = b"[rank7]: ncclUnhandledCudaError: Call to CUDA function failed.\n" \
+           b"RuntimeError: DataLoader worker (pid 1817) is killed by signal: Killed.\n"
+    findings = explain_inputs([("rank2.log", text)])["findings"]
+    by_category = {f["category"]: f for f in findings}
+    assert by_category["nccl_error"]["rank"] == 7
+    assert by_category["dataloader_worker_killed"]["rank"] == 2
+    assert by_category["dataloader_worker_killed"]["ranks"] == [2]
+
+
+def test_no_rank_in_name_or_text_stays_null() -> None:
+    findings = explain_inputs([("train.log", b"RuntimeError: CUDA error: unspecified launch failure\n")])["findings"]
+    assert findings[0]["rank"] is None and findings[0]["ranks"] is None
+
+
+def test_a_failing_sibling_parser_costs_only_its_own_findings(monkeypatch) -> None:
+    monkeypatch.setattr(explain, "SIBLING_PARSERS", (
+        ("json", "loads", "before"),  # raises on log text: stands in for a parser bug
+        ("trainwatch.diagnostics.no_such_module", "findings", "after"),
+    ))
+    report = explain_inputs([("x.log", b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n")])
+    assert [f["category"] for f in report["findings"]] == ["oom"]
+    assert len(report["errors"]) == 1 and report["errors"][0].startswith("x.log: json parser failed (JSONDecodeError")
+
+
+def test_a_parser_that_fails_to_import_is_reported_not_raised(monkeypatch, tmp_path) -> None:
+    (tmp_path / "broken_parser_mod.py").write_text("raise RuntimeError('half written')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(explain, "SIBLING_PARSERS", (("broken_parser_mod", "findings", "after"),))
+    report = explain_inputs([("x.log", b"RuntimeError: CUDA error: unknown error\n")])
+    assert [f["category"] for f in report["findings"]] == ["cuda_error"]
+    assert report["errors"] == ["x.log: broken_parser_mod parser unavailable (RuntimeError: half written)"]
+
+
+def test_source_lines_are_not_evidence() -> None:
+    text = b"# source: https://github.com/pytorch/pytorch/issues/1 CUDA error: out of memory\n"
+    assert explain_inputs([("a.txt", text)])["findings"] == []
+
+
+# -- main -----------------------------------------------------------------------
+
+
+def _run(paths: list[str], as_json: bool = False, stdin: bytes = b"") -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(paths, as_json, stdin=io.BytesIO(stdin), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_main_missing_file_exits_2_with_one_line(tmp_path: Path) -> None:
+    good = tmp_path / "ok.log"
+    good.write_text("RuntimeError: CUDA error: unknown error\n")
+    code, out, err = _run([str(good), str(tmp_path / "nope.log")])
+    assert code == 2
+    assert out == ""
+    assert err == f"error: cannot read {tmp_path / 'nope.log'} (No such file or directory); " \
+                  "pass a readable log, py-spy dump or kernel log\n"
+
+
+def test_main_directory_exits_2(tmp_path: Path) -> None:
+    code, _, err = _run([str(tmp_path)])
+    assert code == 2
+    assert err.startswith(f"error: cannot read {tmp_path} (Is a directory)")
+    assert err.count("\n") == 1
+
+
+def test_main_no_paths_exits_2() -> None:
+    code, _, err = _run([])
+    assert code == 2 and err.startswith("error: no input given")
+
+
+def test_main_reads_stdin_and_prints_json() -> None:
+    log = b"[rank3]:[E ProcessGroupNCCL.cpp:1316] [PG 0 Rank 3] Heartbeat monitor timed out! Process will be " \
+          b"terminated after dumping debug info. workMetaList_.size()=2\n"
+    code, out, err = _run(["-"], as_json=True, stdin=log)
+    assert (code, err) == (0, "")
+    report = json.loads(out)
+    assert report["errors"] == []
+    (finding,) = report["findings"]
+    assert finding["category"] == "heartbeat_timeout"
+    assert finding["rank"] == 3 and finding["pending_work"] == 2
+
+
+def test_main_text_report(tmp_path: Path) -> None:
+    log = tmp_path / "rank5.log"
+    log.write_text("[rank5]:[E1206 18:44:12.715298746 ProcessGroupNCCL.cpp:607] [Rank 5] Watchdog caught collective "
+                   "operation timeout: WorkNCCL(SeqNum=8241, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+                   "Timeout(ms)=600000) ran for 600012 milliseconds before timing out.\n")
+    code, out, _ = _run([str(log)])
+    assert code == 0
+    assert out.startswith("1 finding\n")
+    assert "collective_timeout (error, severity high)" in out
+    assert "  ranks:    5\n" in out
+    assert "  op/seq:   ALLREDUCE / 8241\n" in out
+    assert "  timeout:  600000 ms\n" in out
+    assert "  runbook:  trainwatch runbook collective-timeout\n" in out
+    assert "  evidence: [rank5]:[E1206" in out
+
+
+def test_main_zero_findings_still_exits_0(tmp_path: Path) -> None:
+    log = tmp_path / "fine.log"
+    log.write_text("step 100 loss 2.31\nstep 101 loss 2.30\n")
+    binary = tmp_path / "core"
+    binary.write_bytes(b"\x00" * 64)
+    code, out, err = _run([str(log), str(binary)])
+    assert (code, err) == (0, "")
+    assert out.startswith("no known failure signature found\n")
+    assert f"skipped: {binary}: binary file, skipped" in out
+
+
+def test_render_report_cuts_long_evidence() -> None:
+    finding = dict.fromkeys(logparse.FINDING_KEYS)
+    finding.update(kind="error", category="oom", severity="medium", runbook="oom", evidence="x" * 1000 + "\nmore")
+    text = render_report({"findings": [finding], "errors": []})
+    evidence = next(line for line in text.splitlines() if "evidence:" in line)
+    assert len(evidence) < 300 and evidence.endswith("...")

@@ -1,0 +1,207 @@
+"""`trainwatch explain`: verdicts from text a cluster already produced.
+
+Each input (a training log, a py-spy dump or faulthandler traceback, a
+kernel log) goes through every parser; whatever they recognise becomes a
+finding of the `explain --json` shape. Inputs are compared with each other
+too, so one log per rank is enough to name the rank that fell behind.
+
+`explain_inputs` is pure (bytes in, dict out); `main` is the thin shell that
+reads files and prints.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import BinaryIO, TextIO
+
+from trainwatch.diagnostics import logparse
+
+# Other parsers, imported when first needed: a missing or broken one costs
+# its own findings, never the whole explain. (module, function, place):
+# hardware findings go before the log errors (an Xid often explains
+# everything after it), stacks after them.
+SIBLING_PARSERS = (
+    ("trainwatch.diagnostics.kernel_log", "xid_findings", "before"),
+    ("trainwatch.diagnostics.stacks", "stack_findings", "after"),
+)
+
+# How much of an input decides whether it is text; logs are large and the
+# first 64 KiB say enough.
+_SNIFF_BYTES = 64 * 1024
+# Control bytes other than whitespace, backspace and ESC (colour codes) make
+# a file binary past this share.
+_MAX_CONTROL_SHARE = 0.10
+_TEXT_CONTROLS = {8, 9, 10, 12, 13, 27}
+_SOURCE_LINE = re.compile(r"^# source:.*$", re.MULTILINE)
+_EVIDENCE_CHARS = 240
+
+
+def decode_input(name: str, data: bytes) -> tuple[str | None, str | None]:
+    """(text, None) for a readable input, (None, reason) for one to skip."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        # Windows tools write UTF-16 logs; their NUL bytes are not binary.
+        text = data.decode("utf-16", errors="replace")
+        return (text, None) if text.strip() else (None, f"{name}: empty file, skipped")
+    if not data.strip():
+        return None, f"{name}: empty file, skipped"
+    if data.startswith(b"\x1f\x8b"):
+        return None, f"{name}: compressed file, skipped (decompress it first)"
+    sample = data[:_SNIFF_BYTES]
+    controls = sum(1 for byte in sample if byte < 32 and byte not in _TEXT_CONTROLS)
+    if b"\x00" in sample or controls > _MAX_CONTROL_SHARE * len(sample):
+        return None, f"{name}: binary file, skipped"
+    return data.decode("utf-8", errors="replace"), None
+
+
+def _sibling(module_name: str, function: str, name: str, text: str, errors: list[str]) -> list[dict]:
+    """Findings of another parser; its failure becomes one line in `errors`."""
+    label = module_name.rsplit(".", 1)[-1]
+    try:
+        parse = getattr(importlib.import_module(module_name), function)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            errors.append(f"{name}: {label} parser unavailable ({type(e).__name__}: {e})")
+        return []  # a parser that is not installed has nothing to say
+    except Exception as e:  # a broken parser must not hide the others' findings
+        errors.append(f"{name}: {label} parser unavailable ({type(e).__name__}: {e})")
+        return []
+    try:
+        return [dict(f) for f in parse(text)]
+    except Exception as e:  # one parser's bug must not hide the others' findings
+        errors.append(f"{name}: {label} parser failed ({type(e).__name__}: {e})")
+        return []
+
+
+def _normalize(finding: dict, file_rank: int | None) -> dict:
+    """Every contract key present; the file's rank when the finding names none."""
+    for key in logparse.FINDING_KEYS:
+        finding.setdefault(key, None)
+    if file_rank is not None and finding["rank"] is None and not finding["ranks"]:
+        finding["rank"] = file_rank
+        finding["ranks"] = [file_rank]
+    return finding
+
+
+def explain_inputs(inputs: list[tuple[str, bytes]]) -> dict:
+    """`{"findings": [...], "errors": [...]}` for (name, content) pairs.
+
+    A name like `rank3.log` gives its findings rank 3 when the text itself
+    names none. Unreadable inputs (empty, binary, compressed) add a line to
+    "errors" and no findings.
+    """
+    findings: list[dict] = []
+    errors: list[str] = []
+    points: list[dict] = []
+    for name, data in inputs:
+        text, problem = decode_input(name, data)
+        if text is None:
+            errors.append(problem)
+            continue
+        text = _SOURCE_LINE.sub("", text)
+        file_rank = logparse.rank_from_name(name)
+        parsed = logparse.parse_log(text, source=name)
+        points += parsed.points
+        batch = list(parsed.findings)
+        for module_name, function, place in SIBLING_PARSERS:
+            found = _sibling(module_name, function, name, text, errors)
+            batch = found + batch if place == "before" else batch + found
+        findings += [_normalize(f, file_rank) for f in batch]
+    # The same error printed in several rank files is one finding with
+    # several ranks; stack and Xid findings pass through as their parsers made them.
+    return {"findings": logparse.mismatch_findings(points) + logparse.collapse_ranks(findings), "errors": errors}
+
+
+def _line(label: str, value: object) -> str:
+    """One indented "label value" row of a finding block."""
+    return f"  {label:<9} {value}\n"
+
+
+def _short(text: str) -> str:
+    """Evidence on one line, cut to a screen width."""
+    first = " ".join(str(text).split())
+    return first if len(first) <= _EVIDENCE_CHARS else first[:_EVIDENCE_CHARS - 3] + "..."
+
+
+def _facts(finding: dict) -> str:
+    """The finding's extra facts (beyond the contract keys) as "key=value, ..."."""
+    shown = []
+    for key, value in finding.items():
+        if key in logparse.FINDING_KEYS or value is None or value == [] or isinstance(value, dict):
+            continue
+        if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+            continue  # structured detail (e.g. `behind`) stays in the JSON output
+        shown.append(f"{key}={value}")
+    return _short(", ".join(shown))
+
+
+def render_report(report: dict) -> str:
+    """The human-readable report: one block per finding, then skipped inputs."""
+    findings, errors = report["findings"], report.get("errors") or []
+    if not findings:
+        out = "no known failure signature found\n"
+    else:
+        out = f"{len(findings)} finding{'s' if len(findings) != 1 else ''}\n"
+    for f in findings:
+        out += f"\n{f['category']} ({f['kind']}, severity {f['severity']})\n"
+        ranks = f.get("ranks") or ([f["rank"]] if f.get("rank") is not None else None)
+        if ranks:
+            out += _line("ranks:", ", ".join(str(r) for r in ranks))
+        if f.get("op") is not None or f.get("seq") is not None:
+            out += _line("op/seq:", f"{f.get('op') or '?'} / {f.get('seq') if f.get('seq') is not None else '?'}")
+        if f.get("timeout_ms") is not None:
+            out += _line("timeout:", f"{f['timeout_ms']} ms")
+        if f.get("xid") is not None or f.get("pci") is not None:
+            out += _line("gpu:", f"Xid {f.get('xid') if f.get('xid') is not None else '?'} at {f.get('pci') or '?'}")
+        facts = _facts(f)
+        if facts:
+            out += _line("facts:", facts)
+        if f.get("runbook"):
+            out += _line("runbook:", f"trainwatch runbook {f['runbook']}")
+        if f.get("evidence"):
+            out += _line("evidence:", _short(f["evidence"]))
+    for error in errors:
+        out += f"\nskipped: {error}\n"
+    return out
+
+
+def _read(path: str, stdin: BinaryIO) -> tuple[str, bytes]:
+    """(name, bytes) of one argument; OSError for an unreadable file."""
+    if path == "-":
+        return "<stdin>", stdin.read()
+    return path, Path(path).read_bytes()
+
+
+def main(paths: list[str], as_json: bool, stdin: BinaryIO | None = None,
+         out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Explain the given files ('-' = stdin); 0 when read, 2 for an unreadable file."""
+    stdin = sys.stdin.buffer if stdin is None else stdin
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    if not paths:
+        err.write("error: no input given; pass a readable log, py-spy dump or kernel log ('-' reads stdin)\n")
+        return 2
+    inputs = []
+    for path in paths:
+        try:
+            inputs.append(_read(path, stdin))
+        except OSError as e:
+            reason = e.strerror or type(e).__name__
+            err.write(f"error: cannot read {path} ({reason}); pass a readable log, py-spy dump or kernel log\n")
+            return 2
+    report = explain_inputs(inputs)
+    out.write(json.dumps(report, indent=2) + "\n" if as_json else render_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m trainwatch.diagnostics.explain")
+    parser.add_argument("files", nargs="+", metavar="FILE")
+    parser.add_argument("--json", action="store_true")
+    arguments = parser.parse_args()
+    raise SystemExit(main(arguments.files, arguments.json))
