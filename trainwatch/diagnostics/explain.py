@@ -108,6 +108,10 @@ def explain_inputs(inputs: list[tuple[str, bytes]]) -> dict:
         batch = list(parsed.findings)
         for module_name, function, place in SIBLING_PARSERS:
             found = _sibling(module_name, function, name, text, errors)
+            if function == "stack_findings" and parsed.findings:
+                # A log's own error lines already explain it; the traceback that
+                # printed them only adds an uninformative "other" stack.
+                found = [f for f in found if f.get("category") != "other"]
             batch = found + batch if place == "before" else batch + found
         findings += [_normalize(f, file_rank) for f in batch]
     # The same error printed in several rank files is one finding with
