@@ -1,0 +1,691 @@
+"""Detectors over synthetic slot tables; time is injected, nothing sleeps."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from slot_tables import SyncJob, TimelineJob, make_table, rank_exit, set_rows, view
+from trainwatch.watchdog.detectors import (
+    REGISTRY,
+    CollectiveMismatchDetector,
+    DetectorsConfig,
+    ExitDetector,
+    HangConfig,
+    HangDetector,
+    LossHealthDetector,
+    StragglerDetector,
+    default_detectors,
+)
+from trainwatch.watchdog.detectors.base import RankExit, TickView
+from trainwatch.watchdog.incident import Incident, describe_ranks, format_ranks
+
+
+def run_steps(detector, job: SyncJob, steps: int, **kw) -> list[Incident]:
+    out = []
+    for _ in range(steps):
+        out += detector.check(job.step(**kw))
+        out += detector.check(job.at(job.now + job.step_s / 2))
+    return out
+
+
+# ---- hang ---------------------------------------------------------------------------
+
+
+def hung_job(n: int = 4, steps: int = 20) -> tuple[HangDetector, SyncJob]:
+    det = HangDetector()
+    job = SyncJob(n)
+    assert run_steps(det, job, steps) == []
+    return det, job
+
+
+def test_hang_healthy_progression_reports_nothing():
+    det, job = hung_job(steps=100)
+    # a step three times slower than usual is still no hang
+    assert det.check(job.step(dt=3.0)) == []
+
+
+def test_hang_slow_first_step_within_warmup_is_not_a_hang():
+    det = HangDetector()
+    t = make_table(4, now=0.0, step=0, phase="forward", start_mono=0.0)
+    for now in (10.0, 60.0, 110.0):
+        assert det.check(view(t, now)) == []
+    [inc] = det.check(view(t, 121.0))
+    assert inc.kind == "hang"
+
+
+def test_hang_checkpoint_alone_for_30s_is_not_a_hang():
+    det, job = hung_job()
+    set_rows(job.table, [0, 1, 2, 3], phase="checkpoint", phase_mono=job.now)
+    for dt in range(1, 31):
+        assert det.check(job.at(job.now + dt)) == []
+    # past the slow-phase allowance it is one
+    [inc] = det.check(job.at(job.now + 61))
+    assert inc.category == "checkpoint_io"
+    assert inc.culprit_ranks == [0, 1, 2, 3]
+
+
+def test_hang_single_rank_job_in_checkpoint_for_30s_is_not_a_hang():
+    det = HangDetector()
+    job = SyncJob(1)
+    run_steps(det, job, 10)
+    set_rows(job.table, 0, phase="checkpoint", phase_mono=job.now)
+    assert det.check(job.at(job.now + 30)) == []
+
+
+def test_hang_rank_stuck_in_data_is_culprit_and_waiting_ranks_victims():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, 1, phase="data", phase_mono=t0 + 0.01)
+    set_rows(job.table, [0, 2, 3], phase="backward", phase_mono=t0 + 0.3)
+    assert det.check(job.at(t0 + 4.0)) == []
+    [inc] = det.check(job.at(t0 + 6.2))
+    assert inc.kind == "hang"
+    assert inc.culprit_ranks == [1]
+    assert inc.victims == [0, 2, 3]
+    assert inc.category == "dataloader"
+    assert inc.runbook == "hang"
+    assert inc.severity == "high"
+    assert "rank 1 stuck in phase 'data'" in inc.summary
+    assert "at step 20" in inc.summary
+    assert "ranks 0,2,3 wait in backward (victims)" in inc.summary
+    assert inc.evidence["culprits"][1]["phase"] == "data"
+    assert inc.evidence["step"] == 20
+    json.dumps(inc.to_json(), allow_nan=False)
+
+
+def test_hang_culprit_named_even_when_its_victims_cross_the_threshold_first():
+    det, job = hung_job()
+    t0 = job.now
+    # the victims finished the step 0.2 s before the culprit did
+    set_rows(job.table, [0, 2, 3], phase="collective", progress_mono=t0 - 0.2)
+    set_rows(job.table, 1, phase="forward", phase_mono=t0 + 0.1)
+    [inc] = det.check(job.at(t0 + 5.1))
+    assert inc.culprit_ranks == [1]
+    assert inc.category == "other"
+    assert inc.victims == [0, 2, 3]
+
+
+def test_hang_heartbeat_stale_rank_holds_the_gil():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, [0, 1, 2, 3], phase="backward", phase_mono=t0 + 0.3)
+    v = job.at(t0 + 6.0)
+    # rank 2 looks like it waits too, but its sampler stopped 4 s ago: a wait in
+    # a collective releases the GIL, so this rank is in a gc pause or stopped
+    set_rows(v.table, 2, heartbeat_mono=t0 + 2.0)
+    [inc] = det.check(v)
+    assert inc.culprit_ranks == [2]
+    assert inc.victims == [0, 1, 3]
+    assert inc.category == "gc_collect"
+    assert "holds the GIL or is stopped" in inc.summary
+    assert inc.evidence["culprits"][2]["heartbeat_age_s"] == pytest.approx(4.0)
+
+
+def test_hang_all_in_collective_one_rank_behind_in_seq_is_culprit():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, [0, 1, 2, 3], phase="collective", phase_mono=t0 + 0.5)
+    set_rows(job.table, [0, 1, 2], enqueued=812)
+    set_rows(job.table, 3, enqueued=811)
+    [inc] = det.check(job.at(t0 + 6.0))
+    assert inc.culprit_ranks == [3]
+    assert inc.victims == [0, 1, 2]
+    assert inc.category == "collective_wait"
+    assert "stuck in collectives" in inc.summary
+    assert "rank 3 behind in pg 0" in inc.summary
+    assert inc.evidence["collectives"] == {"pg": 0, "top_enqueued": 812, "behind": {3: 811}}
+
+
+def test_hang_all_in_the_same_collective_names_no_culprit():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, [0, 1, 2, 3], phase="collective", phase_mono=t0 + 0.5, enqueued=812)
+    [inc] = det.check(job.at(t0 + 6.0))
+    assert inc.culprit_ranks == []
+    assert inc.victims == [0, 1, 2, 3]
+    assert "all 4 stalled ranks stuck in the same collective" in inc.summary
+
+
+def test_hang_rank_behind_in_step_is_culprit():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, [0, 1, 2, 3], phase="backward")
+    set_rows(job.table, 2, step=19)
+    [inc] = det.check(job.at(t0 + 6.0))
+    assert inc.culprit_ranks == [2]
+    assert "behind at step 19" in inc.summary
+
+
+def test_hang_checkpointing_rank_with_peers_waiting_fires_at_normal_threshold():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, 0, phase="checkpoint", phase_mono=t0 + 0.1)
+    set_rows(job.table, [1, 2, 3], phase="collective", phase_mono=t0 + 0.2)
+    [inc] = det.check(job.at(t0 + 5.5))
+    assert inc.culprit_ranks == [0]
+    assert inc.victims == [1, 2, 3]
+    assert inc.category == "checkpoint_io"
+
+
+def test_hang_threshold_follows_the_ranks_own_step_times():
+    det = HangDetector()
+    job = SyncJob(2, step_s=3.0)
+    run_steps(det, job, 20)
+    set_rows(job.table, [0, 1], phase="forward")
+    # k x p99 = 15 s: a 3 s/step job is not hung after 10 s
+    assert det.check(job.at(job.now + 10.0)) == []
+    assert len(det.check(job.at(job.now + 15.5))) == 1
+
+
+def test_hang_one_incident_per_episode():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, 1, phase="data")
+    set_rows(job.table, [0, 2, 3], phase="backward")
+    found = []
+    for i in range(1, 300):
+        found += det.check(job.at(t0 + i * 0.1))
+    assert len(found) == 1
+    # progress resumes: the episode ends; a later hang is a new episode
+    assert run_steps(det, job, 3) == []
+    set_rows(job.table, 2, phase="data")
+    set_rows(job.table, [0, 1, 3], phase="backward")
+    again = [i for k in range(1, 100) for i in det.check(job.at(job.now + k * 0.1))]
+    assert [i.culprit_ranks for i in again] == [[2]]
+
+
+def test_hang_slow_first_step_does_not_blunt_the_threshold():
+    det = HangDetector()
+    job = SyncJob(2)
+    det.check(job.step(dt=90.0))  # compilation and warm-up
+    run_steps(det, job, 10)
+    set_rows(job.table, [0, 1], phase="forward")
+    assert len(det.check(job.at(job.now + 5.5))) == 1
+
+
+def test_hang_summary_names_the_culprits_node_in_multi_node_jobs():
+    det = HangDetector()
+    t = make_table(4, now=100.0, phase="backward")
+    set_rows(t, 3, phase="data")
+    nodes = ["node-a", "node-a", "node-b", "node-b"]
+    det.check(view(t, 100.5, nodes=nodes))
+    t["heartbeat_mono"] = 106.0
+    [inc] = det.check(view(t, 106.0, nodes=nodes))
+    assert inc.summary.startswith("hang: rank 3 (node-b) stuck in phase 'data'")
+    assert inc.evidence["culprits"][3]["node"] == "node-b"
+
+
+def test_hang_config_floor_is_respected():
+    det = HangDetector(HangConfig(floor_s=20.0))
+    job = SyncJob(2)
+    run_steps(det, job, 10)
+    set_rows(job.table, [0, 1], phase="data")
+    assert det.check(job.at(job.now + 15)) == []
+
+
+# ---- collective mismatch --------------------------------------------------------------
+
+
+def test_mismatch_equal_step_count_difference():
+    det = CollectiveMismatchDetector()
+    t = make_table(4, now=50.0, step=7)
+    assert det.check(view(t, 50.1)) == []
+    set_rows(t, 2, py_collectives=13)  # the others issued 14
+    [inc] = det.check(view(t, 50.2))
+    assert inc.kind == "collective_mismatch"
+    assert inc.culprit_ranks == [2]
+    assert inc.victims == [0, 1, 3]
+    assert inc.runbook == "collective-mismatch"
+    assert inc.category == "collective_mismatch"
+    assert inc.evidence["step"] == 7
+    assert "rank 2 issued fewer collectives" in inc.summary
+
+
+def test_mismatch_rank_with_an_extra_collective_is_the_minority():
+    det = CollectiveMismatchDetector()
+    t = make_table(4, now=50.0, step=7)
+    set_rows(t, 1, py_collectives=15)
+    [inc] = det.check(view(t, 50.1))
+    assert inc.culprit_ranks == [1]
+    assert inc.evidence["extra_collective"] is True
+
+
+def test_mismatch_in_progress_rule():
+    det = CollectiveMismatchDetector()
+    t = make_table(2, now=50.0, step=7)
+    # rank 0 completed step 7 having issued 14 collectives and has not moved on
+    # (no phase since the step ended); rank 1 is still inside step 7 and has
+    # already issued 15 (published at its last phase change)
+    set_rows(t, 1, step=6, progress_mono=49.0, phase="backward", phase_mono=49.8, py_collectives=15)
+    [inc] = det.check(view(t, 50.1))
+    assert inc.culprit_ranks == [0]
+    assert inc.victims == [1]
+    assert "rank 0 issued fewer collectives" in inc.summary
+
+
+def test_mismatch_count_read_after_a_phase_change_is_only_an_upper_bound():
+    det = CollectiveMismatchDetector()
+    t = make_table(2, now=50.0, step=7)
+    # rank 0 finished step 7 and has since entered step 8's collective phase
+    # and finished a call: 15 includes step 8's first collective
+    set_rows(t, 0, phase="optimizer", phase_mono=50.5, py_collectives=15)
+    assert det.check(view(t, 50.6)) == []
+
+
+@pytest.mark.parametrize("offsets", [[0.0, 0.37, 0.8, 1.55], [0.0, 0.01, 0.02, 0.03], [0.5, 0.0, 0.99, 0.2]])
+def test_mismatch_no_false_positive_when_ranks_are_at_different_steps(offsets):
+    det = CollectiveMismatchDetector()
+    job = TimelineJob(offsets)
+    rng = np.random.default_rng(1)
+    now = 0.0
+    for _ in range(600):
+        now += rng.uniform(0.01, 0.15)
+        assert det.check(job.at(now)) == []
+
+
+def test_mismatch_live_detection_of_a_skipped_collective():
+    det = CollectiveMismatchDetector()
+    job = TimelineJob([0.0, 0.3, 0.45, 0.1], skip=(1, 8))
+    found = []
+    now = 0.0
+    while now < 12.0:
+        now += 0.1
+        found += det.check(job.at(now))
+    assert found, "the skip was never noticed"
+    first = found[0]
+    assert first.culprit_ranks == [1]
+    # noticed within the step the skip happened in or the next one
+    assert first.evidence["step"] in (8, 9)
+    assert first.detected_mono < 8 * job.step_s + 2.5
+
+
+def stalled_table(now: float) -> np.ndarray:
+    t = make_table(4, now=now, step=30, phase="collective", enqueued=812)
+    set_rows(t, [0, 1, 2, 3], phase_mono=now + 0.5)
+    return t
+
+
+def test_mismatch_ras_style_enqueued_seq_difference():
+    det = CollectiveMismatchDetector()
+    t = stalled_table(100.0)
+    set_rows(t, 3, enqueued=811)
+    seen = []
+    for i in range(1, 60):
+        v = view(t, 100.0 + i * 0.1)
+        v.table["heartbeat_mono"] = v.now
+        seen += [(v.now, inc) for inc in det.check(v)]
+    assert seen
+    when, inc = seen[0]
+    assert when >= 103.0 - 1e-9  # not before the stall time
+    assert inc.summary == "collective mismatch in pg 0: 3 ranks have launched up to operation 812; rank 3 only up to 811"
+    assert inc.culprit_ranks == [3]
+    assert inc.victims == [0, 1, 2]
+    assert inc.evidence["source"] == "flight_recorder"
+    assert inc.evidence["behind"] == {3: 811}
+
+
+def test_mismatch_ras_style_op_difference_names_minority():
+    det = CollectiveMismatchDetector()
+    t = stalled_table(100.0)
+    set_rows(t, 2, last_op="broadcast")
+    found = []
+    for i in range(1, 50):
+        v = view(t, 100.0 + i * 0.1)
+        v.table["heartbeat_mono"] = v.now
+        found += det.check(v)
+    assert found
+    assert found[0].culprit_ranks == [2]
+    assert "rank 2 launched 'broadcast'" in found[0].summary
+    assert "3 ranks launched 'allreduce'" in found[0].summary
+
+
+def test_mismatch_ras_ignores_ranks_in_data_loading_and_long_steps():
+    det = CollectiveMismatchDetector()
+    t = stalled_table(100.0)
+    set_rows(t, 3, enqueued=811, phase="data")  # a dataloader hang, not a desync
+    for i in range(1, 50):
+        v = view(t, 100.0 + i * 0.1)
+        v.table["heartbeat_mono"] = v.now
+        assert det.check(v) == []
+    det = CollectiveMismatchDetector()
+    t = stalled_table(100.0)
+    set_rows(t, [0, 1, 2, 3], step_s=4.0)  # 4 s steps: 5 s without one is normal
+    set_rows(t, 3, enqueued=811)
+    for i in range(1, 50):
+        v = view(t, 100.0 + i * 0.1)
+        v.table["heartbeat_mono"] = v.now
+        assert det.check(v) == []
+
+
+def test_mismatch_counters_reset_when_a_rank_restarts():
+    det = CollectiveMismatchDetector()
+    t = make_table(2, now=50.0, step=7)
+    assert det.check(view(t, 50.1)) == []
+    # rank 1 restarted (new pid) and resumed at step 7 with a fresh counter
+    set_rows(t, 1, pid=5000, py_collectives=0, step=0, progress_mono=60.0, start_mono=60.0)
+    set_rows(t, 0, step=8, progress_mono=60.5, phase_mono=60.5, py_collectives=16)
+    assert det.check(view(t, 60.6)) == []
+
+
+# ---- straggler ------------------------------------------------------------------------
+
+
+def straggler_run(det: StragglerDetector, steps: int, compute_of) -> list[Incident]:
+    job = SyncJob(8)
+    found = []
+    for i in range(steps):
+        compute = compute_of(i)
+        found += det.check(job.step(dt=float(np.nanmax(compute, initial=0.5)) + 0.2, compute=compute))
+    return found
+
+
+def test_straggler_persistently_slow_rank():
+    det = StragglerDetector()
+    rng = np.random.default_rng(0)
+
+    def compute(i):
+        c = 0.5 * (1 + rng.normal(0, 0.02, 8))
+        c[3] *= 2.0
+        return c
+
+    found = straggler_run(det, 30, compute)
+    assert found
+    inc = found[-1]
+    assert inc.kind == "straggler"
+    assert inc.culprit_ranks == [3]
+    assert inc.severity == "medium"
+    assert inc.runbook == "straggler"
+    assert inc.evidence["slowdown_ratio"] == pytest.approx(2.0, rel=0.1)
+    assert 3 not in inc.victims and set(inc.victims) == {0, 1, 2, 4, 5, 6, 7}
+    assert "rank 3 computes 2.0x the group median" in inc.summary
+    ratios = det.current_ratios()
+    assert ratios[3] == pytest.approx(2.0, rel=0.1)
+    assert ratios[0] == pytest.approx(1.0, rel=0.1)
+
+
+def test_straggler_needs_persistence():
+    slow = lambda i: np.where(np.arange(8) == 3, 1.0, 0.5)  # noqa: E731
+    # min_steps (5) samples make the first evaluation; five in a row report it
+    assert straggler_run(StragglerDetector(), 8, slow) == []
+    found = straggler_run(StragglerDetector(), 9, slow)
+    assert [i.culprit_ranks for i in found] == [[3]]
+
+
+def test_straggler_small_absolute_excess_is_noise():
+    # 1.6x of a 20 ms step is 12 ms: scheduler noise on a busy host, not a straggler
+    slow = lambda i: np.where(np.arange(8) == 3, 0.032, 0.020)  # noqa: E731
+    assert straggler_run(StragglerDetector(), 30, slow) == []
+
+
+def test_straggler_transient_blip_is_ignored():
+    det = StragglerDetector()
+
+    def compute(i):
+        c = np.full(8, 0.5)
+        if i in (12, 13, 14):
+            c[3] = 2.5  # three slow steps (a gc pause, a cold cache)
+        return c
+
+    assert straggler_run(det, 40, compute) == []
+
+
+def test_straggler_nan_compute_is_ignored():
+    det = StragglerDetector()
+
+    def compute(i):
+        c = np.full(8, 0.5)
+        c[3] = np.nan
+        return c
+
+    assert straggler_run(det, 30, compute) == []
+    assert 3 not in det.current_ratios()
+    det = StragglerDetector()
+    assert straggler_run(det, 30, lambda i: np.full(8, np.nan)) == []
+    assert det.current_ratios() == {}
+
+
+def test_straggler_still_evaluated_after_a_restart_from_an_earlier_step():
+    det = StragglerDetector()
+    job = SyncJob(4)
+    slow = np.array([0.5, 0.5, 1.0, 0.5])
+    for _ in range(30):
+        det.check(job.step(compute=np.full(4, 0.5)))
+    # the group restarts from a checkpoint at step 10 with new processes
+    set_rows(job.table, [0, 1, 2, 3], pid=np.arange(4) + 7000, step=10)
+    found = []
+    for _ in range(15):
+        found += det.check(job.step(compute=slow))
+    assert found and found[-1].culprit_ranks == [2]
+
+
+def test_straggler_two_rank_job():
+    det = StragglerDetector()
+    job = SyncJob(2)
+    found = []
+    for _ in range(20):
+        found += det.check(job.step(dt=1.2, compute=np.array([0.5, 1.0])))
+    assert found and found[-1].culprit_ranks == [1]
+
+
+# ---- loss health ---------------------------------------------------------------------
+
+
+def loss_job(det: LossHealthDetector, steps: int = 30, n: int = 4) -> SyncJob:
+    job = SyncJob(n)
+    rng = np.random.default_rng(2)
+    for _ in range(steps):
+        assert det.check(job.step(loss=2.0 + rng.normal(0, 0.02, n), grad_norm=1.0 + rng.normal(0, 0.1, n))) == []
+    return job
+
+
+def test_loss_nan_on_one_rank():
+    det = LossHealthDetector()
+    job = loss_job(det)
+    loss = np.array([2.0, np.nan, 2.0, 2.0])
+    grad = np.full(4, np.nan)  # the all-reduce spreads the NaN into every rank's grads
+    [inc] = det.check(job.step(loss=loss, grad_norm=grad))
+    assert inc.kind == "loss_nan"
+    assert inc.severity == "critical"
+    assert inc.runbook == "loss-nan"
+    assert inc.culprit_ranks == [1]
+    assert inc.victims == [0, 2, 3]
+    assert "rank 1 reported loss nan at step 31" in inc.summary
+    json.dumps(inc.to_json(), allow_nan=False)
+    # still NaN on the next tick: the same condition is reported (the engine dedups)
+    assert [i.kind for i in det.check(job.at(job.now + 0.5))] == ["loss_nan"]
+    # finite again: gone
+    assert det.check(job.step(loss=np.full(4, 2.0), grad_norm=np.ones(4))) == []
+
+
+def test_loss_nan_in_grad_norm_only_blames_all_ranks_with_it():
+    det = LossHealthDetector()
+    job = loss_job(det)
+    grad = np.array([1.0, np.inf, np.inf, 1.0])
+    [inc] = det.check(job.step(loss=np.full(4, 2.0), grad_norm=grad))
+    assert inc.kind == "loss_nan"
+    assert inc.culprit_ranks == [1, 2]
+    assert "grad norm inf" in inc.summary
+
+
+def test_loss_never_reported_is_not_nan():
+    det = LossHealthDetector()
+    job = SyncJob(2)
+    for _ in range(5):
+        assert det.check(job.step()) == []  # loss and grad norm stay NaN = unknown
+
+
+def test_loss_spike():
+    det = LossHealthDetector()
+    job = loss_job(det, steps=40)
+    loss = np.full(4, 2.0)
+    loss[2] = 6.0
+    [inc] = det.check(job.step(loss=loss, grad_norm=np.ones(4)))
+    assert inc.kind == "loss_spike"
+    assert inc.culprit_ranks == [2]
+    assert inc.runbook == "loss-spike"
+    assert inc.evidence["spikes"][2]["ratio"] == pytest.approx(3.0, rel=0.05)
+    assert "rank 2 loss 6 at step 41" in inc.summary
+    # the spike does not poison the baseline; the next normal step is clean
+    assert det.check(job.step(loss=np.full(4, 2.0), grad_norm=np.ones(4))) == []
+
+
+def test_loss_small_spike_is_noise():
+    det = LossHealthDetector()
+    job = loss_job(det, steps=40)
+    assert det.check(job.step(loss=np.array([2.0, 2.4, 2.0, 2.0]), grad_norm=np.ones(4))) == []
+
+
+def test_loss_spike_needs_min_steps():
+    det = LossHealthDetector()
+    job = loss_job(det, steps=10)
+    assert det.check(job.step(loss=np.array([2.0, 20.0, 2.0, 2.0]), grad_norm=np.ones(4))) == []
+
+
+def test_grad_explosion():
+    det = LossHealthDetector()
+    job = loss_job(det)
+    grad = np.array([1.0, 1.0, 1.0, 500.0])
+    [inc] = det.check(job.step(loss=np.full(4, 2.0), grad_norm=grad))
+    assert inc.kind == "grad_explosion"
+    assert inc.culprit_ranks == [3]
+    assert inc.severity == "high"
+    assert inc.runbook == "grad-explosion"
+    assert inc.evidence["grad_norms"][3]["grad_norm"] == 500.0
+    # 50 is 50x the median but under the absolute floor of 100
+    assert det.check(job.step(loss=np.full(4, 2.0), grad_norm=np.array([1.0, 50.0, 1.0, 1.0]))) == []
+
+
+def test_loss_healthy_noisy_decreasing_curve_reports_nothing():
+    det = LossHealthDetector()
+    job = SyncJob(8)
+    rng = np.random.default_rng(3)
+    for i in range(600):
+        trend = 1.5 + 4.0 * math.exp(-i / 120)
+        loss = trend * (1 + rng.normal(0, 0.04, 8))
+        if i % 37 == 0:
+            loss[i % 8] *= 1.18  # the normal 10-20% bumps
+        grad = np.exp(rng.normal(0, 0.4, 8)) * (3.0 if i < 20 else 1.0)
+        assert det.check(job.step(loss=loss, grad_norm=grad)) == [], f"step {i}"
+
+
+def test_loss_evaluates_each_step_once():
+    det = LossHealthDetector()
+    job = loss_job(det, steps=40)
+    loss = np.full(4, 2.0)
+    loss[0] = 7.0
+    assert [i.kind for i in det.check(job.step(loss=loss, grad_norm=np.ones(4)))] == ["loss_spike"]
+    # ticks without a new step repeat the held verdict; they add no samples
+    for k in range(20):
+        assert [i.kind for i in det.check(job.at(job.now + 0.01 * (k + 1)))] == ["loss_spike"]
+    assert det._loss.counts(np.array([0]))[0] == 41
+
+
+# ---- exits ----------------------------------------------------------------------------
+
+
+def exit_view(now: float, exits) -> TickView:
+    return view(make_table(4, now=now), now, exits=exits)
+
+
+def test_exit_by_signal_is_a_crash():
+    det = ExitDetector()
+    [inc] = det.check(exit_view(10.0, [rank_exit(1, -11, pid=4242, node="node-a")]))
+    assert inc.kind == "crash"
+    assert inc.culprit_ranks == [1]
+    assert inc.severity == "critical"
+    assert inc.category == "child_failed"
+    assert inc.runbook == "crash"
+    assert inc.summary == "crash: rank 1 (pid 4242 on node-a) was killed by SIGSEGV"
+    assert inc.evidence["exits"] == [
+        {"rank": 1, "local_rank": 1, "node": "node-a", "pid": 4242, "exitcode": -11, "signal": "SIGSEGV"}
+    ]
+
+
+def test_exit_code_is_a_crash():
+    det = ExitDetector()
+    [inc] = det.check(exit_view(10.0, [rank_exit(2, 1, pid=77)]))
+    assert inc.summary == "crash: rank 2 (pid 77 on node0) exited with code 1"
+    assert inc.evidence["exits"][0]["exitcode"] == 1
+
+
+def test_exit_code_zero_is_not_a_crash():
+    det = ExitDetector()
+    assert det.check(exit_view(10.0, [rank_exit(r, 0) for r in range(4)])) == []
+
+
+def test_exit_teardown_of_survivors_is_collateral():
+    det = ExitDetector()
+    exits = [rank_exit(1, -11)] + [rank_exit(r, -15) for r in (0, 2, 3)]
+    [inc] = det.check(exit_view(10.0, exits))
+    assert inc.culprit_ranks == [1]
+    assert inc.victims == [0, 2, 3]
+    assert "ranks 0,2,3 stopped as a consequence" in inc.summary
+    # the launcher's SIGKILL a little later is still part of the same failure
+    assert det.check(exit_view(15.0, [rank_exit(0, -9)])) == []
+    # a lone SIGKILL much later (the OOM killer) is a fault of its own
+    [oom] = det.check(exit_view(100.0, [rank_exit(2, -9, pid=99)]))
+    assert oom.culprit_ranks == [2] and "SIGKILL" in oom.summary
+
+
+def test_rank_exit_from_exitcode_names_the_signal():
+    e = RankExit.from_exitcode(rank=0, local_rank=0, pid=1, exitcode=-9)
+    assert e.signal_name == "SIGKILL" and e.failed
+    assert RankExit.from_exitcode(rank=0, local_rank=0, pid=1, exitcode=0).failed is False
+
+
+# ---- incident, view, registry ----------------------------------------------------------
+
+
+def test_incident_json_is_strict_and_keyed():
+    inc = Incident(
+        kind="loss_nan",
+        culprit_ranks=[np.int32(3), 1],
+        victims=[1, 2],
+        severity="critical",
+        evidence={"loss": {np.int64(3): float("nan")}, "step": np.int64(5), "ratio": np.float64(1.5)},
+    )
+    assert inc.key == "loss_nan:1,3"
+    assert inc.victims == [2]  # a culprit is never also a victim
+    data = inc.to_json(wall_time=0.0)
+    assert data["time"].startswith("1970-01-01T00:00:00")
+    text = json.dumps(data, allow_nan=False)
+    back = Incident.from_json(json.loads(text))
+    assert back.culprit_ranks == [1, 3] and back.evidence["loss"] == {"3": "nan"}
+    with pytest.raises(ValueError, match="severity"):
+        Incident(kind="hang", culprit_ranks=[], severity="urgent")
+
+
+def test_describe_ranks_is_compact():
+    assert describe_ranks([3]) == "rank 3"
+    assert describe_ranks([0, 2, 3]) == "ranks 0,2,3"
+    assert format_ranks(range(4096)) == "0-4095"
+    assert format_ranks([0, 1, 2, 3, 5, 7, 8]) == "0-3,5,7,8"
+    assert "(40 ranks)" in format_ranks(range(0, 80, 2))
+
+
+def test_tick_view_keeps_live_rows_and_their_nodes():
+    t = make_table(4)
+    t["pid"][2] = 0
+    v = TickView.from_table(5.0, t, ["a", "b", "c", "d"])
+    assert v.table["rank"].tolist() == [0, 1, 3]
+    assert v.nodes == ["a", "b", "d"]
+    assert v.node_of(3) == "d"
+    with pytest.raises(ValueError, match="nodes"):
+        TickView.from_table(5.0, t, ["a"])
+
+
+def test_registry_builds_every_detector_once():
+    dets = default_detectors()
+    names = [d.name for d in dets]
+    assert names == list(REGISTRY) and len(set(names)) == len(names)
+    assert [d.name for d in default_detectors(DetectorsConfig(disabled=("straggler",)))] == [
+        n for n in REGISTRY if n != "straggler"
+    ]
+    with pytest.raises(ValueError, match="unknown detector"):
+        default_detectors(DetectorsConfig(disabled=("nope",)))
+    custom = default_detectors(DetectorsConfig(hang=HangConfig(floor_s=9.0)))
+    assert next(d for d in custom if d.name == "hang").config.floor_s == 9.0

@@ -1,0 +1,128 @@
+"""All-rank stack capture with py-spy: in parallel, with a hard time bound per rank.
+
+A rank py-spy cannot sample (exited, permission, stuck in uninterruptible
+sleep) is reported with the reason and its process state instead of failing
+the capture: such a rank is a prime suspect, not a gap in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from trainwatch.diagnostics.stacks import ProcessStack, parse_pyspy_json
+
+PER_RANK_TIMEOUT_S = 5.0
+"""Hard bound for one py-spy dump; a healthy dump takes ~20 ms."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankCapture:
+    rank: int
+    pid: int
+    stack: ProcessStack
+    """Parsed stacks; `stack.error` says why when sampling failed."""
+    process_state: str | None
+    """psutil status ('running', 'sleeping', 'disk-sleep', 'stopped', 'zombie'); None if gone."""
+    seconds: float
+    """How long this rank's capture took."""
+    raw_path: str | None
+    """Where the raw dump was saved, if it was."""
+
+
+def py_spy_binary() -> str | None:
+    here = Path(sys.executable).parent / "py-spy"
+    if here.is_file():
+        return str(here)
+    return shutil.which("py-spy")
+
+
+def belongs_to_job(pid: int, job: str) -> bool:
+    """Only sample processes this job started: the rank's environment names the job."""
+    try:
+        return psutil.Process(pid).environ().get("TRAINWATCH_JOB") == job
+    except (psutil.Error, OSError):
+        return False
+
+
+def process_state(pid: int) -> str | None:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return None
+
+
+def capture_rank(rank: int, pid: int, *, native: bool = False, timeout_s: float = PER_RANK_TIMEOUT_S,
+                 out_dir: Path | None = None, job: str | None = None) -> RankCapture:
+    start = time.monotonic()
+    pstate = process_state(pid)
+
+    def failed(reason: str) -> RankCapture:
+        detail = f"{reason} (process state: {pstate or 'gone'})"
+        return RankCapture(rank, pid, ProcessStack(pid, rank, None, (), error=detail), pstate,
+                           time.monotonic() - start, None)
+
+    if pstate is None or pstate == psutil.STATUS_ZOMBIE:
+        return failed("process exited")
+    if job is not None and not belongs_to_job(pid, job):
+        return failed("not a process of this job; refusing to sample it")
+    if pstate == psutil.STATUS_DISK_SLEEP:
+        # ptrace attach to a process in D state can block; say so instead of waiting.
+        return failed("process in uninterruptible sleep (D), likely blocked in the kernel or on a device")
+    binary = py_spy_binary()
+    if binary is None:
+        return failed("py-spy not installed")
+    cmd = [binary, "dump", "--pid", str(pid), "--json"]
+    if native:
+        cmd.append("--native")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return failed(f"py-spy timed out after {timeout_s:.0f}s")
+    except OSError as e:
+        return failed(f"py-spy could not run: {e.strerror}")
+    if proc.returncode != 0:
+        msg = (proc.stderr or proc.stdout).strip().splitlines()
+        reason = msg[-1] if msg else f"py-spy exit code {proc.returncode}"
+        if "ermission" in reason or "ptrace" in reason.lower():
+            reason += " (py-spy needs root or CAP_SYS_PTRACE)"
+        return failed(reason)
+    raw_path = None
+    if out_dir is not None:
+        out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        raw = out_dir / f"rank{rank}-pid{pid}.json"
+        raw.write_text(proc.stdout)
+        raw_path = str(raw)
+    try:
+        data = json.loads(proc.stdout)
+    except ValueError:
+        return failed("py-spy output was not JSON")
+    parsed = parse_pyspy_json(data, pid=pid, rank=rank)
+    stack = parsed[0] if parsed else ProcessStack(pid, rank, None, (), error="py-spy returned no threads")
+    return RankCapture(rank, pid, stack, pstate, time.monotonic() - start, raw_path)
+
+
+def capture_all(pids: dict[int, int], *, native: bool = False, timeout_s: float = PER_RANK_TIMEOUT_S,
+                out_dir: Path | None = None, job: str | None = None, workers: int = 16) -> dict[int, RankCapture]:
+    """Capture every rank (rank -> pid) in parallel; returns rank -> RankCapture."""
+    if not pids:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(workers, len(pids))) as pool:
+        futures = {
+            rank: pool.submit(capture_rank, rank, pid, native=native, timeout_s=timeout_s, out_dir=out_dir, job=job)
+            for rank, pid in pids.items()
+        }
+        return {rank: f.result() for rank, f in futures.items()}
+
+
+def capture_dir(job_dir: Path, label: str) -> Path:
+    return job_dir / "stacks" / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{os.getpid()}"

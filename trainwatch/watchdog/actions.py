@@ -1,0 +1,165 @@
+"""What the sidecar does about an incident: capture, diagnose, checkpoint, restart.
+
+Order matters: stacks first (the evidence disappears with the processes), then
+the emergency checkpoint (the state disappears with them too), then the
+restart request, which the agent carries out through torchelastic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainwatch import slots, state
+
+log = logging.getLogger("trainwatch.sidecar")
+
+CAPTURE_KINDS = frozenset({"hang", "collective_mismatch"})
+"""Incidents that trigger an all-rank stack capture and a verdict."""
+RESTART_KINDS = frozenset({"hang", "collective_mismatch", "xid", "ecc"})
+"""Incidents the sidecar restarts the job for. Crashes restart through
+torchelastic directly (the agent sees the exit); stragglers and loss
+incidents only alert: restarting would not fix them and would lose work."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ActionPolicy:
+    """Which incidents restart the job, and how long checkpoints may take."""
+
+    restart: bool = True
+    """False = alert-only mode (`--no-restart`)."""
+    restart_kinds: frozenset = field(default_factory=lambda: RESTART_KINDS)
+    """Incident kinds that lead to an emergency checkpoint and a restart."""
+    capture: bool = True
+    """Capture stacks of every rank on hang/mismatch incidents."""
+    capture_timeout_s: float = 5.0
+    """Hard bound on one rank's py-spy dump."""
+    emergency_timeout_s: float = 10.0
+    """How long ranks get to write their emergency checkpoint."""
+    min_severity_restart: str = "high"
+    """Hardware incidents below this severity only alert."""
+
+
+_SEVERITY = {"info": 0, "low": 1, "medium": 2, "high": 3, "critical": 4}
+
+
+def request_emergency_checkpoint(segment: slots.Segment, timeout_s: float, *, local_ranks: list[int] | None = None,
+                                 clock=time.monotonic, poll_s: float = 0.05) -> dict:
+    """Ask ranks (through their slots) to write their staged state; wait up to timeout_s.
+
+    Returns which ranks wrote (and the step), which did not and why. A rank
+    that holds the GIL or is dead never answers: it is recorded, and the
+    newest complete checkpoint from any rank is what the restart uses."""
+    start = clock()
+    table = segment.read_table()
+    targets = [int(i) for i in range(segment.nslots) if table["pid"][i] > 0]
+    if local_ranks is not None:
+        targets = [i for i in targets if i in local_ranks]
+    request_id = int(time.time() * 1000)
+    for i in targets:
+        segment.request_checkpoint(i, request_id)
+    pending = set(targets)
+    written: dict[int, int] = {}
+    failed: dict[int, str] = {}
+    while pending and clock() - start < timeout_s:
+        for i in sorted(pending):
+            _req, done, status, step = segment.read_control(i)
+            if done == request_id and status in (slots.CKPT_OK, slots.CKPT_FAILED):
+                pending.discard(i)
+                rank = int(table["rank"][i])
+                if status == slots.CKPT_OK:
+                    written[rank] = step
+                else:
+                    failed[rank] = "write failed"
+        if pending:
+            time.sleep(poll_s)
+    for i in pending:
+        _req, done, status, _step = segment.read_control(i)
+        rank = int(table["rank"][i])
+        failed[rank] = "still writing at the deadline" if done == request_id else "did not answer (GIL held, stopped or dead)"
+    return {
+        "requested": sorted(int(table["rank"][i]) for i in targets),
+        "written": {str(k): v for k, v in sorted(written.items())},
+        "failed": {str(k): v for k, v in sorted(failed.items())},
+        "step": max(written.values()) if written else None,
+        "seconds": round(clock() - start, 3),
+    }
+
+
+class IncidentActions:
+    def __init__(self, policy: ActionPolicy):
+        self.policy = policy
+        self.restart_requested_at: float | None = None
+
+    def handle(self, sidecar: Any, incident: Any, record: dict) -> dict:
+        kind = record.get("kind")
+        extra: dict = {}
+        if self.policy.capture and kind in CAPTURE_KINDS:
+            extra.update(self.capture(sidecar, record))
+        if self._should_restart(record):
+            t0 = time.monotonic()
+            extra["checkpoint"] = request_emergency_checkpoint(sidecar.segment, self.policy.emergency_timeout_s)
+            extra["restart"] = self.request_restart(sidecar, record)
+            extra["restart"]["checkpoint_s"] = round(time.monotonic() - t0, 3)
+        return extra
+
+    def _should_restart(self, record: dict) -> bool:
+        if not self.policy.restart or record.get("kind") not in self.policy.restart_kinds:
+            return False
+        if record.get("kind") in ("xid", "ecc"):
+            return _SEVERITY.get(record.get("severity", "medium"), 2) >= _SEVERITY[self.policy.min_severity_restart]
+        # One restart request per episode: the agent is already tearing down.
+        if self.restart_requested_at is not None and time.monotonic() - self.restart_requested_at < 30:
+            return False
+        return True
+
+    def capture(self, sidecar: Any, record: dict) -> dict:
+        from trainwatch.diagnostics.capture import capture_all, capture_dir
+        from trainwatch.diagnostics.stacks import group_stacks
+        from trainwatch.diagnostics.verdict import decide
+
+        t0 = time.monotonic()
+        table = sidecar.read()
+        rows = sidecar.snapshot()
+        pids = {int(r["rank"]): int(r["pid"]) for r in rows}
+        out_dir = capture_dir(sidecar.job_dir, str(record.get("kind")))
+        caps = capture_all(pids, timeout_s=self.policy.capture_timeout_s, out_dir=out_dir, job=sidecar.job)
+        groups = group_stacks({rank: c.stack for rank, c in caps.items()})
+        for r in rows:
+            c = caps.get(r["rank"])
+            r["state"] = (c.process_state or "gone") if c else None
+            r["capture_error"] = c.stack.error if c else None
+            g0 = r["groups"][0] if r.get("groups") else None
+            r["collectives"] = {
+                "enqueued": g0["enqueued"] if g0 else None,
+                "completed": g0["completed"] if g0 else None,
+                "last_op": (g0["last_op"] or None) if g0 else None,
+            }
+        v = decide(rows, groups, sidecar.incidents + [record], [])
+        seconds = round(time.monotonic() - t0, 3)
+        return {
+            "capture": {
+                "dir": str(out_dir),
+                "seconds": seconds,
+                "ranks": len(caps),
+                "failed": {str(k): c.stack.error for k, c in caps.items() if c.stack.error},
+            },
+            "stack_groups": [
+                {"ranks": list(g.ranks), "category": g.category, "pattern": g.pattern_id, "frames": list(g.frames[:5])}
+                for g in groups
+            ],
+            "verdict": v.to_json(),
+        }
+
+    def request_restart(self, sidecar: Any, record: dict) -> dict:
+        self.restart_requested_at = time.monotonic()
+        request = {
+            "reason": f"{record.get('kind')}: {record.get('summary', '')}",
+            "kind": record.get("kind"),
+            "time": time.time(),
+            "detected_wall": record.get("detected_wall"),
+        }
+        state.write_json_atomic(sidecar.job_dir / "control" / "restart-request.json", request)
+        return {"requested": True}

@@ -1,0 +1,77 @@
+"""The watchdog's detectors, registered in one place.
+
+Adding a detector: write its module (a `Detector` subclass and its config
+dataclass), add a config field to `DetectorsConfig` and a line to `REGISTRY`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from trainwatch.watchdog.detectors.base import Detector, RankExit, TickView
+from trainwatch.watchdog.detectors.exits import ExitConfig, ExitDetector
+from trainwatch.watchdog.detectors.hang import HangConfig, HangDetector
+from trainwatch.watchdog.detectors.loss import LossHealthConfig, LossHealthDetector
+from trainwatch.watchdog.detectors.mismatch import CollectiveMismatchConfig, CollectiveMismatchDetector
+from trainwatch.watchdog.detectors.straggler import StragglerConfig, StragglerDetector
+
+
+@dataclass(kw_only=True, slots=True)
+class DetectorsConfig:
+    """Configuration of every registered detector."""
+
+    exits: ExitConfig = field(default_factory=ExitConfig)
+    """Crash detection from rank exits."""
+    hang: HangConfig = field(default_factory=HangConfig)
+    """Hang detection from step progress and heartbeats."""
+    collective_mismatch: CollectiveMismatchConfig = field(default_factory=CollectiveMismatchConfig)
+    """Collective desync detection from collective counts and sequence numbers."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """Straggler detection from per-rank compute time."""
+    loss_health: LossHealthConfig = field(default_factory=LossHealthConfig)
+    """NaN, loss spike and grad explosion detection."""
+    disabled: tuple[str, ...] = ()
+    """Detector names to leave out (names as in REGISTRY)."""
+
+
+# name -> factory taking the DetectorsConfig. Order is the order detectors run
+# in a tick: crashes first, so the engine can mute their consequences.
+REGISTRY: dict[str, Callable[[DetectorsConfig], Detector]] = {
+    ExitDetector.name: lambda c: ExitDetector(c.exits),
+    HangDetector.name: lambda c: HangDetector(c.hang),
+    CollectiveMismatchDetector.name: lambda c: CollectiveMismatchDetector(c.collective_mismatch),
+    StragglerDetector.name: lambda c: StragglerDetector(c.straggler),
+    LossHealthDetector.name: lambda c: LossHealthDetector(c.loss_health),
+}
+
+
+def default_detectors(config: DetectorsConfig | None = None) -> list[Detector]:
+    """One fresh instance of every registered detector not disabled in `config`."""
+    config = config or DetectorsConfig()
+    unknown = set(config.disabled) - set(REGISTRY)
+    if unknown:
+        raise ValueError(
+            f"unknown detector name(s) {', '.join(sorted(unknown))} in disabled; valid: {', '.join(REGISTRY)}"
+        )
+    return [make(config) for name, make in REGISTRY.items() if name not in config.disabled]
+
+
+__all__ = [
+    "CollectiveMismatchConfig",
+    "CollectiveMismatchDetector",
+    "Detector",
+    "DetectorsConfig",
+    "ExitConfig",
+    "ExitDetector",
+    "HangConfig",
+    "HangDetector",
+    "LossHealthConfig",
+    "LossHealthDetector",
+    "REGISTRY",
+    "RankExit",
+    "StragglerConfig",
+    "StragglerDetector",
+    "TickView",
+    "default_detectors",
+]

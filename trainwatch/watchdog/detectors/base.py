@@ -1,0 +1,280 @@
+"""The detector plug-in interface and the per-rank bookkeeping detectors share.
+
+A detector is pure logic over one tick's data: it reads a `TickView` (the slot
+table of all live ranks, their node labels, the exits seen since the last tick
+and the tick's monotonic time) and returns incidents. It may remember history
+across ticks but never reads a clock: time comes only from `view.now`, so
+tests drive it with made-up times and never sleep.
+
+History lives in numpy arrays indexed by global rank, not in per-rank Python
+objects: a 4096-rank tick must stay within a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence
+
+import numpy as np
+
+from trainwatch import slots
+from trainwatch.watchdog.incident import Incident
+
+WAIT_CODES = np.array(sorted(slots.PHASE_CODES[p] for p in slots.WAIT_PHASES), dtype=np.int32)
+SLOW_CODES = np.array(sorted(slots.PHASE_CODES[p] for p in slots.SLOW_PHASES), dtype=np.int32)
+
+
+def phase_name(code: int) -> str:
+    """Phase name for a slot's phase code ('init' for codes from a newer layout)."""
+    code = int(code)
+    return slots.PHASES[code] if 0 <= code < len(slots.PHASES) else "init"
+
+
+@dataclass(frozen=True, slots=True)
+class RankExit:
+    """A rank process that ended, as seen by the launcher or sidecar."""
+
+    rank: int
+    """Global rank."""
+    local_rank: int
+    """Rank index on its node."""
+    pid: int
+    """Process id of the exited rank."""
+    exitcode: int
+    """Exit status; negative -N when killed by signal N (torchelastic's convention)."""
+    signal_name: str | None = None
+    """'SIGSEGV' etc. when killed by a signal, else None."""
+    node: str = ""
+    """Node label of the rank."""
+
+    @classmethod
+    def from_exitcode(cls, *, rank: int, local_rank: int, pid: int, exitcode: int, node: str = "") -> RankExit:
+        """Build from a raw exit status, naming the signal for negative codes."""
+        name = None
+        if exitcode < 0:
+            try:
+                name = _signal.Signals(-exitcode).name
+            except ValueError:
+                name = f"signal {-exitcode}"
+        return cls(rank=rank, local_rank=local_rank, pid=pid, exitcode=exitcode, signal_name=name, node=node)
+
+    @property
+    def failed(self) -> bool:
+        return self.exitcode != 0 or self.signal_name is not None
+
+
+@dataclass(slots=True)
+class TickView:
+    """Everything a detector sees in one tick."""
+
+    now: float
+    """CLOCK_MONOTONIC seconds of this tick (same clock as the slots' *_mono fields)."""
+    table: np.ndarray
+    """Live slot rows (pid > 0), dtype `slots.slot_dtype()`, possibly from several nodes."""
+    nodes: list[str] = field(default_factory=list)
+    """Node label of each row of `table` (same order)."""
+    exits: list[RankExit] = field(default_factory=list)
+    """Rank exits first observed since the previous tick."""
+
+    @classmethod
+    def from_table(
+        cls, now: float, table: np.ndarray, nodes: Sequence[str] | None = None, exits: Sequence[RankExit] = ()
+    ) -> TickView:
+        """Keep only written slots (pid > 0, rank >= 0) and their node labels."""
+        live = (table["pid"] > 0) & (table["rank"] >= 0)
+        labels = list(nodes) if nodes is not None else [""] * len(table)
+        if len(labels) != len(table):
+            raise ValueError(f"nodes must label every table row; got {len(labels)} labels for {len(table)} rows")
+        idx = np.nonzero(live)[0]
+        return cls(now=now, table=table[idx], nodes=[labels[i] for i in idx], exits=list(exits))
+
+    def node_of(self, rank: int) -> str:
+        rows = np.nonzero(self.table["rank"] == rank)[0]
+        if len(rows) == 0 or not self.nodes:
+            return ""
+        return self.nodes[int(rows[0])]
+
+
+class Detector(ABC):
+    """One fault detector. Register new ones in `trainwatch.watchdog.detectors`."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def check(self, view: TickView) -> list[Incident]:
+        """Return the faults present in this tick (empty list when healthy)."""
+
+
+# ---- per-rank state in rank-indexed arrays -----------------------------------------
+
+
+def grow(arr: np.ndarray, size: int, fill) -> np.ndarray:
+    """`arr` extended along axis 0 to at least `size` rows filled with `fill`.
+    Doubles capacity so a job growing rank by rank does not copy every tick."""
+    if len(arr) >= size:
+        return arr
+    new = np.full((max(size, 2 * len(arr)),) + arr.shape[1:], fill, dtype=arr.dtype)
+    new[: len(arr)] = arr
+    return new
+
+
+class StepTracker:
+    """Which rows completed a new step since the previous tick.
+
+    A rank whose pid changed (restarted process) or whose step went backwards
+    (resumed from a checkpoint) starts over: callers drop its history."""
+
+    def __init__(self) -> None:
+        self._step = np.zeros(0, dtype=np.int64)
+        self._pid = np.zeros(0, dtype=np.int64)
+        self.first = np.zeros(0, dtype=bool)
+        """After update(): rows whose advance is the first step seen from that process."""
+
+    def update(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(advanced, restarted) boolean masks aligned with the table rows."""
+        ranks = table["rank"]
+        if len(ranks) == 0:
+            self.first = np.zeros(0, dtype=bool)
+            return np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)
+        size = int(ranks.max()) + 1
+        self._step = grow(self._step, size, 0)
+        self._pid = grow(self._pid, size, 0)
+        steps = table["step"]
+        pids = table["pid"]
+        prev = self._step[ranks]
+        restarted = (self._pid[ranks] != pids) | (steps < prev)
+        prev = np.where(restarted, 0, prev)
+        # step 0 means "no step finished yet": it is never an advance.
+        advanced = steps > prev
+        self.first = advanced & (prev == 0)
+        self._step[ranks] = steps
+        self._pid[ranks] = pids
+        return advanced, restarted
+
+
+class RankRing:
+    """Last `depth` values per rank (NaN where not yet filled)."""
+
+    def __init__(self, depth: int):
+        if depth < 1:
+            raise ValueError(f"history depth must be >= 1; got {depth}")
+        self.depth = depth
+        self.buf = np.full((0, depth), np.nan)
+        self.pos = np.zeros(0, dtype=np.int64)
+        self.count = np.zeros(0, dtype=np.int64)
+
+    def _ensure(self, ranks: np.ndarray) -> None:
+        if len(ranks):
+            size = int(ranks.max()) + 1
+            if size > len(self.pos):
+                self.buf = grow(self.buf, size, np.nan)
+                self.pos = grow(self.pos, size, 0)
+                self.count = grow(self.count, size, 0)
+
+    def push(self, ranks: np.ndarray, values: np.ndarray) -> None:
+        if len(ranks) == 0:
+            return
+        self._ensure(ranks)
+        pos = self.pos[ranks]
+        self.buf[ranks, pos] = values
+        self.pos[ranks] = (pos + 1) % self.depth
+        self.count[ranks] += 1
+
+    def reset(self, ranks: np.ndarray) -> None:
+        if len(ranks) == 0:
+            return
+        self._ensure(ranks)
+        self.buf[ranks] = np.nan
+        self.pos[ranks] = 0
+        self.count[ranks] = 0
+
+    def counts(self, ranks: np.ndarray) -> np.ndarray:
+        """Number of values pushed per rank since its last reset."""
+        self._ensure(ranks)
+        return self.count[ranks]
+
+    def window(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values (m, depth), number of filled values per row) for these ranks."""
+        self._ensure(ranks)
+        return self.buf[ranks], np.minimum(self.count[ranks], self.depth)
+
+
+def row_quantile(values: np.ndarray, counts: np.ndarray, q: float) -> np.ndarray:
+    """Per-row quantile (linear interpolation) of the first `counts` non-NaN
+    values of each row; NaN for empty rows. Sorting pushes NaN to the end, so
+    one sort serves rows of every fill level (np.nanquantile loops in Python)."""
+    m = len(values)
+    if m == 0:
+        return np.zeros(0)
+    s = np.sort(values, axis=1)
+    counts = np.asarray(counts)
+    pos = np.maximum(counts - 1, 0) * q
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, np.maximum(counts - 1, 0))
+    rows = np.arange(m)
+    frac = pos - lo
+    out = s[rows, lo] * (1.0 - frac) + s[rows, hi] * frac
+    return np.where(counts > 0, out, np.nan)
+
+
+def row_median(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    return row_quantile(values, counts, 0.5)
+
+
+def robust_spread(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(median, median absolute deviation) per row."""
+    med = row_median(values, counts)
+    mad = row_median(np.abs(values - med[:, None]), counts)
+    return med, mad
+
+
+@dataclass(slots=True)
+class GroupEntries:
+    """The (row, process group) pairs of a table, flattened: one entry per
+    collective group a rank reported, so groups compare with column ops."""
+
+    row: np.ndarray
+    """Row index into the table."""
+    pg: np.ndarray
+    """Process group id."""
+    enqueued: np.ndarray
+    """Last launched collective sequence number."""
+    completed: np.ndarray
+    """Last completed collective sequence number."""
+    last_op: np.ndarray
+    """Last launched op name (bytes)."""
+
+    @classmethod
+    def of(cls, table: np.ndarray, rows: np.ndarray | None = None) -> GroupEntries:
+        sub = table if rows is None else table[rows]
+        base = np.arange(len(table)) if rows is None else np.asarray(rows)
+        ng = np.clip(sub["ngroups"], 0, slots.MAX_GROUPS)
+        r, k = np.nonzero(np.arange(slots.MAX_GROUPS)[None, :] < ng[:, None])
+        g = sub["groups"][r, k]
+        return cls(row=base[r], pg=g["pg"], enqueued=g["enqueued"], completed=g["completed"], last_op=g["last_op"])
+
+
+def seq_behind(entries: GroupEntries, rows: np.ndarray | None = None) -> tuple[int, int, dict[int, int]] | None:
+    """First process group (lowest id) whose ranks disagree on the last
+    launched sequence number, among `rows` (all when None): (pg, highest seq,
+    {row: seq} of the rows behind). None when all agree."""
+    keep = np.ones(len(entries.row), dtype=bool) if rows is None else np.isin(entries.row, rows)
+    keep &= entries.enqueued >= 0
+    pgs = entries.pg[keep]
+    enq = entries.enqueued[keep]
+    erow = entries.row[keep]
+    for pg in np.unique(pgs):
+        sel = pgs == pg
+        e = enq[sel]
+        if len(e) < 2 or e.min() == e.max():
+            continue
+        top = int(e.max())
+        behind = e < top
+        return int(pg), top, {int(r): int(v) for r, v in zip(erow[sel][behind], e[behind])}
+    return None
+
+
+def op_name(raw: bytes) -> str:
+    return bytes(raw).rstrip(b"\0").decode("ascii", "replace")

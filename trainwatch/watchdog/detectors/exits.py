@@ -1,0 +1,83 @@
+"""Crashes: rank processes that exited with an error or were killed.
+
+When one rank fails, the launcher stops the survivors with SIGTERM (then
+SIGKILL). Those exits are consequences of the first failure, so within
+`collateral_s` of a failure they are listed as its victims instead of being
+reported as crashes of their own. A teardown signal with no failure before
+it (the OOM killer's SIGKILL, a preemption's SIGTERM) is the fault itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainwatch.watchdog.detectors.base import Detector, RankExit, TickView
+from trainwatch.watchdog.incident import Incident, describe_ranks
+
+
+@dataclass(kw_only=True, slots=True)
+class ExitConfig:
+    """Settings of the exit detector."""
+
+    teardown_signals: tuple[str, ...] = ("SIGTERM", "SIGKILL")
+    """Signals the launcher uses to stop surviving ranks after a failure (signal names)."""
+    collateral_s: float = 30.0
+    """After a failure, exits by a teardown signal within this time are its consequences (s)."""
+
+
+class ExitDetector(Detector):
+    """Reports one `crash` incident per failed rank process."""
+
+    name = "exits"
+
+    def __init__(self, config: ExitConfig | None = None):
+        self.config = config or ExitConfig()
+        self._last_failure: float | None = None
+
+    def check(self, view: TickView) -> list[Incident]:
+        failed = [e for e in view.exits if e.failed]
+        if not failed:
+            return []
+        teardown = [e for e in failed if e.signal_name in self.config.teardown_signals]
+        primary = [e for e in failed if e.signal_name not in self.config.teardown_signals]
+        recent = self._last_failure is not None and view.now - self._last_failure < self.config.collateral_s
+        if primary:
+            self._last_failure = view.now
+            victims = [e.rank for e in teardown]
+            return [self._crash(view, [e], victims) for e in primary]
+        if recent:
+            return []
+        self._last_failure = view.now
+        return [self._crash(view, teardown, [])]
+
+    def _crash(self, view: TickView, exits: list[RankExit], victims: list[int]) -> Incident:
+        first = exits[0]
+        where = f"pid {first.pid}" if len(exits) == 1 else "pids " + ",".join(str(e.pid) for e in exits)
+        nodes = sorted({e.node for e in exits if e.node})
+        if nodes:
+            where += f" on {','.join(nodes)}"
+        if first.signal_name:
+            how = f"{'was' if len(exits) == 1 else 'were'} killed by {first.signal_name}"
+        else:
+            how = f"exited with code {first.exitcode}"
+        text = f"crash: {describe_ranks(e.rank for e in exits)} ({where}) {how}"
+        if victims:
+            text += f"; {describe_ranks(victims)} stopped as a consequence"
+        return Incident(
+            kind="crash",
+            culprit_ranks=[e.rank for e in exits],
+            victims=victims,
+            summary=text,
+            severity="critical",
+            runbook="crash",
+            category="child_failed",
+            evidence={
+                "exits": [
+                    {"rank": e.rank, "local_rank": e.local_rank, "node": e.node, "pid": e.pid,
+                     "exitcode": e.exitcode, "signal": e.signal_name}
+                    for e in exits
+                ],
+            },
+            key="crash:" + ",".join(f"{e.rank}@{e.pid}" for e in exits),
+            detected_mono=view.now,
+        )

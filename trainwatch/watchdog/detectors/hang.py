@@ -1,0 +1,303 @@
+"""Hang detection: a rank that stopped completing steps, and who it is waiting on.
+
+A rank is stale when it has not completed a step for longer than
+max(floor_s, k x p99 of its own recent step times). That fires within seconds
+of a real hang, far before NCCL's 600 s timeout or gloo's 30 minutes, while a
+job whose steps honestly take a minute is not flagged after five seconds.
+
+Naming the culprit matters more than noticing the hang: in a synchronous job
+every rank stops at once. Ranks parked in a wait phase (backward, collective)
+whose collectives are ahead are victims; the culprit is the rank that is
+somewhere else (data loading, compute, checkpoint I/O), whose heartbeat
+stopped (it holds the GIL or is stopped), or that is behind in step or
+collective sequence number.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainwatch import slots
+from trainwatch.watchdog.detectors.base import (
+    SLOW_CODES,
+    WAIT_CODES,
+    Detector,
+    GroupEntries,
+    RankRing,
+    StepTracker,
+    TickView,
+    grow,
+    op_name,
+    phase_name,
+    row_quantile,
+    seq_behind,
+)
+from trainwatch.watchdog.incident import Incident, describe_ranks, format_ranks
+
+_DONE = slots.PHASE_CODES["done"]
+_PHASE_CATEGORY = {"data": "dataloader", "checkpoint": "checkpoint_io"}
+_CATEGORY_WORDS = {
+    "dataloader": "data loading",
+    "checkpoint_io": "checkpoint I/O",
+    "gc_collect": "holding the GIL",
+    "other": "compute",
+}
+# A rank is "quiet" (a culprit candidate) after this fraction of its threshold:
+# a healthy rank completes a step every p99 at worst, so half of k x p99
+# without progress is already far outside normal; it lets a culprit whose last
+# step ended a few ms after its victims' be named on the same tick.
+_QUIET_FRACTION = 0.5
+_MAX_LISTED = 32
+
+
+@dataclass(kw_only=True, slots=True)
+class HangConfig:
+    """Thresholds of the hang detector."""
+
+    floor_s: float = 5.0
+    """Minimum time without a completed step before a rank counts as hung (s)."""
+    k: float = 5.0
+    """A rank is hung after k x the p99 of its recent step times, when longer than floor_s (factor)."""
+    history: int = 50
+    """Recent step times kept per rank for that p99 (steps)."""
+    warmup_s: float = 120.0
+    """Allowance before a rank's first completed step: compilation, autotuning, first collectives (s)."""
+    slow_phase_s: float = 60.0
+    """Allowance while the rank itself is in an init, checkpoint or eval phase (s)."""
+    heartbeat_stale_s: float = 2.0
+    """Heartbeat age meaning the rank holds the GIL or is stopped; the sampler beats every 0.2 s (s)."""
+
+
+class HangDetector(Detector):
+    """Reports one `hang` incident per episode of no progress."""
+
+    name = "hang"
+
+    def __init__(self, config: HangConfig | None = None):
+        self.config = config or HangConfig()
+        self._steps = StepTracker()
+        self._step_s = RankRing(self.config.history)
+        # p99 per rank, recomputed lazily: only for ranks that look stale and
+        # whose history changed, so a healthy 4096-rank tick never sorts.
+        self._p99 = np.zeros(0)
+        self._p99_fresh = np.zeros(0, dtype=bool)
+        self._in_episode = False
+
+    def check(self, view: TickView) -> list[Incident]:
+        t = view.table
+        cfg = self.config
+        if len(t) == 0:
+            self._in_episode = False
+            return []
+        ranks = t["rank"]
+        advanced, restarted = self._steps.update(t)
+        size = int(ranks.max()) + 1
+        self._p99 = grow(self._p99, size, np.nan)
+        self._p99_fresh = grow(self._p99_fresh, size, False)
+        if restarted.any():
+            self._step_s.reset(ranks[restarted])
+            self._p99_fresh[ranks[restarted]] = False
+        step_s = t["step_s"]
+        # The first step of a process includes start-up and compilation; kept,
+        # it would make the threshold lenient for the next `history` steps.
+        push = advanced & ~self._steps.first & np.isfinite(step_s) & (step_s > 0)
+        if push.any():
+            self._step_s.push(ranks[push], step_s[push])
+            self._p99_fresh[ranks[push]] = False
+
+        now = view.now
+        age = now - t["progress_mono"]
+        if not (age > cfg.floor_s * _QUIET_FRACTION).any():
+            self._in_episode = False
+            return []
+
+        base = np.full(len(t), float(cfg.floor_s))
+        idx = np.nonzero(age > cfg.floor_s * _QUIET_FRACTION)[0]
+        base[idx] = np.fmax(cfg.floor_s, cfg.k * self._p99_of(ranks[idx]))
+
+        phase = t["phase"]
+        step = t["step"]
+        in_wait = np.isin(phase, WAIT_CODES)
+        in_slow = np.isin(phase, SLOW_CODES)
+        started = step >= 1
+        limit = base.copy()
+        limit[~started] = np.fmax(base[~started], cfg.warmup_s)
+        lenient = started & in_slow
+        limit[lenient] = np.fmax(base[lenient], cfg.slow_phase_s)
+        stale = (age > limit) & (phase != _DONE)
+        stuck = age > base
+        quiet = age > base * _QUIET_FRACTION
+        # A rank may checkpoint or evaluate for a minute, but not while its
+        # peers sit in a collective waiting for it: then they are its victims
+        # and the normal threshold applies.
+        blockers = quiet & started & in_slow
+        override = stuck & started & in_wait & blockers.any()
+        involved = stale | override
+        if not involved.any():
+            self._in_episode = False
+            return []
+        if self._in_episode:
+            return []
+        self._in_episode = True
+        return [self._incident(view, age, limit, stale, override, quiet, in_wait, in_slow, started)]
+
+    def _p99_of(self, ranks: np.ndarray) -> np.ndarray:
+        need = ranks[~self._p99_fresh[ranks]]
+        if len(need):
+            need = np.unique(need)
+            values, counts = self._step_s.window(need)
+            self._p99[need] = row_quantile(values, counts, 0.99)
+            self._p99_fresh[need] = True
+        return self._p99[ranks]
+
+    def _incident(self, view, age, limit, stale, override, quiet, in_wait, in_slow, started) -> Incident:
+        t = view.table
+        cfg = self.config
+        now = view.now
+        ranks = t["rank"]
+        step = t["step"]
+        hb = t["heartbeat_mono"]
+        hb_age = np.where(hb > 0, now - hb, np.nan)
+        hb_stale = hb_age > cfg.heartbeat_stale_s
+        involved = stale | override
+
+        culprit = (stale & ~in_wait) | (quiet & hb_stale)
+        # Not yet past its own threshold but clearly not progressing either,
+        # outside any wait and with no excuse (warm-up, slow phase).
+        culprit |= quiet & ~in_wait & started & ~in_slow & (step <= step[involved].max())
+        if override.any():
+            culprit |= quiet & started & in_slow
+        pattern = "rank_elsewhere"
+        behind_seq = None
+        if not culprit.any():
+            pattern = "all_in_collective"
+            rows = np.nonzero(involved)[0]
+            low = step[rows].min()
+            if low < step[rows].max():
+                culprit[rows[step[rows] == low]] = True
+                pattern = "behind_in_step"
+            else:
+                behind_seq = seq_behind(GroupEntries.of(t, rows))
+                if behind_seq is not None:
+                    culprit[list(behind_seq[2])] = True
+                    pattern = "behind_in_seq"
+        victims = (involved | quiet) & in_wait & ~culprit
+
+        c_rows = np.nonzero(culprit)[0]
+        v_rows = np.nonzero(victims)[0]
+        culprits = ranks[c_rows].tolist()
+        at_step = int(step[involved].max())
+        if pattern == "rank_elsewhere" and hb_stale[c_rows].any():
+            pattern = "gil_or_stopped"
+
+        if pattern in ("rank_elsewhere", "gil_or_stopped"):
+            cats: Counter = Counter()
+            for code, gil in zip(t["phase"][c_rows].tolist(), hb_stale[c_rows].tolist()):
+                cats[_PHASE_CATEGORY.get(phase_name(code)) or ("gc_collect" if gil else "other")] += 1
+            category = cats.most_common(1)[0][0]
+        else:
+            category = "collective_wait"
+
+        codes, n_codes = np.unique(t["phase"][v_rows], return_counts=True)
+        victim_phases = {phase_name(c): int(n) for c, n in zip(codes, n_codes)}
+        wait_words = "/".join(sorted(victim_phases)) or "a collective"
+        span = float(age[involved].max())
+        if pattern in ("rank_elsewhere", "gil_or_stopped"):
+            lead = c_rows[int(np.argmax(age[c_rows]))]
+            ph = phase_name(t["phase"][lead])
+            in_phase = now - float(t["phase_mono"][lead])
+            stuck_for = in_phase if 0 < in_phase <= age[lead] else float(age[lead])
+            who = describe_ranks(culprits)
+            one = len(culprits) == 1
+            if view.nodes and len(set(view.nodes)) > 1:
+                who += f" ({', '.join(sorted({view.nodes[r] for r in c_rows}))})"
+            if pattern == "gil_or_stopped":
+                text = (
+                    f"hang: {who} {'holds' if one else 'hold'} the GIL or {'is' if one else 'are'} stopped "
+                    f"(no heartbeat for {hb_age[lead]:.1f} s) "
+                    f"in phase '{ph}' for {stuck_for:.1f} s at step {int(step[lead])}"
+                )
+            else:
+                text = (
+                    f"hang: {who} stuck in phase '{ph}' ({_CATEGORY_WORDS.get(category, 'compute')}, "
+                    f"outside any collective) for {stuck_for:.1f} s at step {int(step[lead])}"
+                )
+            if len(v_rows):
+                text += f"; {describe_ranks(ranks[v_rows])} wait in {wait_words} (victims)"
+        else:
+            n_all = int(involved.sum())
+            where = f"phase {', '.join(repr(p) for p in sorted(victim_phases))}" if victim_phases else "a wait phase"
+            if pattern == "behind_in_step":
+                text = (
+                    f"hang: all {n_all} stalled ranks stuck in collectives ({where}) for {span:.1f} s; "
+                    f"{describe_ranks(culprits)} behind at step {int(step[c_rows].min())} (others at {at_step})"
+                )
+            elif pattern == "behind_in_seq":
+                pg, top, behind = behind_seq
+                low = min(behind.values())
+                text = (
+                    f"hang: all {n_all} stalled ranks stuck in collectives ({where}) for {span:.1f} s "
+                    f"at step {at_step}; {describe_ranks(culprits)} behind in pg {pg} "
+                    f"(launched up to {low}, others {top})"
+                )
+            else:
+                text = (
+                    f"hang: all {n_all} stalled ranks stuck in the same collective ({where}{_same_op(t, involved)}) "
+                    f"for {span:.1f} s at step {at_step}; no rank is behind (check stacks and the network)"
+                )
+
+        evidence: dict = {
+            "pattern": pattern,
+            "step": at_step,
+            "threshold_s": round(float(limit[involved].min()), 3),
+            "stalled_ranks": int(involved.sum()),
+            "victim_count": len(v_rows),
+            "victim_phases": dict(victim_phases),
+            "culprits": {
+                int(ranks[r]): {
+                    "node": view.nodes[r] if view.nodes else "",
+                    "phase": phase_name(t["phase"][r]),
+                    "step": int(step[r]),
+                    "no_progress_s": round(float(age[r]), 3),
+                    "in_phase_s": round(float(now - t["phase_mono"][r]), 3),
+                    "heartbeat_age_s": None if np.isnan(hb_age[r]) else round(float(hb_age[r]), 3),
+                    "threshold_s": round(float(limit[r]), 3),
+                }
+                for r in c_rows[:_MAX_LISTED]
+            },
+        }
+        if len(v_rows) <= _MAX_LISTED:
+            evidence["victim_ranks"] = format_ranks(ranks[v_rows])
+        if behind_seq is not None:
+            pg, top, behind = behind_seq
+            evidence["collectives"] = {
+                "pg": pg,
+                "top_enqueued": top,
+                "behind": {int(ranks[r]): v for r, v in list(behind.items())[:_MAX_LISTED]},
+            }
+        return Incident(
+            kind="hang",
+            culprit_ranks=culprits,
+            victims=ranks[v_rows].tolist(),
+            summary=text,
+            severity="high",
+            runbook="hang",
+            category=category,
+            evidence=evidence,
+            detected_mono=now,
+        )
+
+
+def _same_op(t: np.ndarray, rows: np.ndarray) -> str:
+    """', pg 0 operation 812 (allreduce)' when the stalled ranks' first group agrees."""
+    sub = t[rows]
+    if len(sub) == 0 or (sub["ngroups"] < 1).any():
+        return ""
+    g = sub["groups"][:, 0]
+    if len(np.unique(g["pg"])) != 1 or len(np.unique(g["enqueued"])) != 1 or g["enqueued"][0] < 0:
+        return ""
+    op = op_name(g["last_op"][0])
+    return f", pg {int(g['pg'][0])} operation {int(g['enqueued'][0])}" + (f" ({op})" if op else "")

@@ -1,0 +1,251 @@
+"""Loss health: non-finite values, loss spikes and exploding gradients.
+
+Follows the usual loss-health reading of a training log: loss should trend
+down, a NaN/Inf loss or grad norm is fatal, small spikes (10-20% above trend)
+are normal noise, and grad norms far above their usual range (> 100 where
+0.1-10 is healthy) mean gradients are exploding. Each rank is judged against
+its own robust baseline (median and median absolute deviation of its last
+steps), because ranks see different data and their losses differ.
+
+A rank is evaluated only when its step advanced, so one step's value is never
+counted twice. The verdict for that step is held until its next step, so a
+fault that lasts several steps is one continuing condition, not a new one
+per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainwatch.watchdog.detectors.base import (
+    Detector,
+    RankRing,
+    StepTracker,
+    TickView,
+    grow,
+    robust_spread,
+    row_median,
+)
+from trainwatch.watchdog.incident import Incident, describe_ranks
+
+_MAX_LISTED = 32
+
+
+@dataclass(kw_only=True, slots=True)
+class LossHealthConfig:
+    """Thresholds of the loss health detector."""
+
+    history: int = 50
+    """Recent finite values per rank forming its baseline (steps)."""
+    min_steps: int = 20
+    """Values a rank needs before spikes and explosions are judged; early steps are honestly wild (steps)."""
+    spike_mad_k: float = 6.0
+    """A spike exceeds the baseline median by more than this many median absolute deviations (MADs)."""
+    spike_factor: float = 2.0
+    """...and is more than this multiple of the baseline median, far above normal 10-20% noise (factor)."""
+    grad_norm_floor: float = 100.0
+    """Grad norms up to this are never an explosion (healthy range is about 0.1-10) (norm)."""
+    grad_norm_factor: float = 10.0
+    """An explosion exceeds this multiple of the rank's median grad norm (factor)."""
+
+
+class LossHealthDetector(Detector):
+    """Reports `loss_nan`, `loss_spike` and `grad_explosion`."""
+
+    name = "loss_health"
+
+    def __init__(self, config: LossHealthConfig | None = None):
+        self.config = config or LossHealthConfig()
+        self._steps = StepTracker()
+        self._loss = RankRing(self.config.history)
+        self._grad = RankRing(self.config.history)
+        # A slot holds NaN for "not reported": a NaN only counts as a fault
+        # from a rank that has reported a finite value before (Inf always does).
+        self._seen_loss = np.zeros(0, dtype=bool)
+        self._seen_grad = np.zeros(0, dtype=bool)
+        # Verdicts of each rank's last evaluated step: (step, value, median, mad).
+        self._spike = np.zeros((0, 4))
+        self._spiking = np.zeros(0, dtype=bool)
+        self._explode = np.zeros((0, 3))
+        self._exploding = np.zeros(0, dtype=bool)
+
+    def check(self, view: TickView) -> list[Incident]:
+        t = view.table
+        if len(t) == 0:
+            return []
+        ranks = t["rank"]
+        size = int(ranks.max()) + 1
+        self._seen_loss = grow(self._seen_loss, size, False)
+        self._seen_grad = grow(self._seen_grad, size, False)
+        self._spike = grow(self._spike, size, np.nan)
+        self._spiking = grow(self._spiking, size, False)
+        self._explode = grow(self._explode, size, np.nan)
+        self._exploding = grow(self._exploding, size, False)
+        advanced, restarted = self._steps.update(t)
+        if restarted.any():
+            gone = ranks[restarted]
+            self._loss.reset(gone)
+            self._grad.reset(gone)
+            for arr in (self._seen_loss, self._seen_grad, self._spiking, self._exploding):
+                arr[gone] = False
+        if advanced.any():
+            rows = np.nonzero(advanced)[0]
+            self._judge_loss(t, rows)
+            self._judge_grad(t, rows)
+
+        out = []
+        bad = self._non_finite(view)
+        if bad is not None:
+            out.append(bad)
+        spiking = self._spiking[ranks]
+        if spiking.any():
+            out.append(self._spike_incident(view, np.nonzero(spiking)[0]))
+        exploding = self._exploding[ranks]
+        if exploding.any():
+            out.append(self._explode_incident(view, np.nonzero(exploding)[0]))
+        return out
+
+    def _judge_loss(self, t: np.ndarray, rows: np.ndarray) -> None:
+        cfg = self.config
+        r = t["rank"][rows]
+        loss = t["loss"][rows]
+        finite = np.isfinite(loss)
+        self._seen_loss[r[finite]] = True
+        self._spiking[r] = False
+        cand = finite & (self._loss.counts(r) >= cfg.min_steps)
+        if cand.any():
+            rc, lc = r[cand], loss[cand]
+            values, counts = self._loss.window(rc)
+            # Cheap pre-filter: exceeding factor x median needs exceeding
+            # factor x minimum (for positive losses), so a falling loss never
+            # pays for the sort.
+            pre = lc > cfg.spike_factor * np.nanmin(values, axis=1)
+            if pre.any():
+                rp, lp = rc[pre], lc[pre]
+                med, mad = robust_spread(values[pre], counts[pre])
+                spike = (med > 0) & (lp > med + cfg.spike_mad_k * mad) & (lp > cfg.spike_factor * med)
+                if spike.any():
+                    hit = rp[spike]
+                    self._spiking[hit] = True
+                    steps = t["step"][rows][cand][pre][spike]
+                    self._spike[hit] = np.column_stack([steps, lp[spike], med[spike], mad[spike]])
+        # Record after judging: a spike must not raise its own baseline.
+        self._loss.push(r[finite], loss[finite])
+
+    def _judge_grad(self, t: np.ndarray, rows: np.ndarray) -> None:
+        cfg = self.config
+        r = t["rank"][rows]
+        grad = t["grad_norm"][rows]
+        finite = np.isfinite(grad)
+        self._seen_grad[r[finite]] = True
+        self._exploding[r] = False
+        cand = finite & (grad > cfg.grad_norm_floor) & (self._grad.counts(r) >= cfg.min_steps)
+        if cand.any():
+            rc, gc = r[cand], grad[cand]
+            values, counts = self._grad.window(rc)
+            med = row_median(values, counts)
+            boom = gc > np.fmax(cfg.grad_norm_floor, cfg.grad_norm_factor * med)
+            if boom.any():
+                hit = rc[boom]
+                self._exploding[hit] = True
+                steps = t["step"][rows][cand][boom]
+                self._explode[hit] = np.column_stack([steps, gc[boom], med[boom]])
+        self._grad.push(r[finite], grad[finite])
+
+    def _non_finite(self, view: TickView) -> Incident | None:
+        t = view.table
+        ranks = t["rank"]
+        started = t["step"] >= 1
+        loss, grad = t["loss"], t["grad_norm"]
+        bad_loss = started & ~np.isfinite(loss) & (self._seen_loss[ranks] | np.isinf(loss))
+        bad_grad = started & ~np.isfinite(grad) & (self._seen_grad[ranks] | np.isinf(grad))
+        if not (bad_loss.any() or bad_grad.any()):
+            return None
+        step = int(t["step"][bad_loss | bad_grad].max())
+        if bad_loss.any():
+            # The rank whose own loss went bad is the source; in data parallel
+            # training the all-reduce then spreads NaN into every rank's grads.
+            c_rows = np.nonzero(bad_loss)[0]
+            v_rows = np.nonzero(bad_grad & ~bad_loss)[0]
+            value = float(loss[c_rows[0]])
+            text = f"loss_nan: {describe_ranks(ranks[c_rows])} reported loss {value} at step {step}"
+            if len(v_rows):
+                text += f"; {describe_ranks(ranks[v_rows])} have a non-finite grad norm (victims)"
+        else:
+            c_rows = np.nonzero(bad_grad)[0]
+            v_rows = np.zeros(0, dtype=np.int64)
+            value = float(grad[c_rows[0]])
+            text = f"loss_nan: {describe_ranks(ranks[c_rows])} reported grad norm {value} at step {step} (loss finite)"
+        return Incident(
+            kind="loss_nan",
+            culprit_ranks=ranks[c_rows].tolist(),
+            victims=ranks[v_rows].tolist(),
+            summary=text,
+            severity="critical",
+            runbook="loss-nan",
+            category=None,
+            evidence={
+                "step": step,
+                "loss": {int(ranks[i]): float(loss[i]) for i in c_rows[:_MAX_LISTED]},
+                "grad_norm": {int(ranks[i]): float(grad[i]) for i in c_rows[:_MAX_LISTED]},
+                "non_finite_loss_ranks": int(bad_loss.sum()),
+                "non_finite_grad_ranks": int(bad_grad.sum()),
+            },
+            detected_mono=view.now,
+        )
+
+    def _spike_incident(self, view: TickView, rows: np.ndarray) -> Incident:
+        ranks = view.table["rank"][rows]
+        info = self._spike[ranks]
+        lead = int(np.argmax(info[:, 1] / info[:, 2]))
+        step, value, med, mad = info[lead]
+        text = (
+            f"loss spike: {describe_ranks(ranks)} loss {value:.4g} at step {int(step)} is "
+            f"{value / med:.1f}x the median {med:.4g} of the last {self.config.history} steps (MAD {mad:.3g})"
+        )
+        return Incident(
+            kind="loss_spike",
+            culprit_ranks=ranks.tolist(),
+            summary=text,
+            severity="medium",
+            runbook="loss-spike",
+            category=None,
+            evidence={
+                "step": int(step),
+                "spikes": {
+                    int(r): {"step": int(s), "loss": float(v), "baseline_median": float(m), "baseline_mad": float(d),
+                             "ratio": round(float(v / m), 4)}
+                    for r, (s, v, m, d) in zip(ranks[:_MAX_LISTED], info[:_MAX_LISTED])
+                },
+            },
+            detected_mono=view.now,
+        )
+
+    def _explode_incident(self, view: TickView, rows: np.ndarray) -> Incident:
+        ranks = view.table["rank"][rows]
+        info = self._explode[ranks]
+        lead = int(np.argmax(info[:, 1]))
+        step, value, med = info[lead]
+        cfg = self.config
+        text = (
+            f"grad explosion: {describe_ranks(ranks)} grad norm {value:.4g} at step {int(step)} exceeds "
+            f"max({cfg.grad_norm_floor:g}, {cfg.grad_norm_factor:g} x its median {med:.4g})"
+        )
+        return Incident(
+            kind="grad_explosion",
+            culprit_ranks=ranks.tolist(),
+            summary=text,
+            severity="high",
+            runbook="grad-explosion",
+            category=None,
+            evidence={
+                "step": int(step),
+                "grad_norms": {
+                    int(r): {"step": int(s), "grad_norm": float(v), "baseline_median": float(m)}
+                    for r, (s, v, m) in zip(ranks[:_MAX_LISTED], info[:_MAX_LISTED])
+                },
+            },
+            detected_mono=view.now,
+        )

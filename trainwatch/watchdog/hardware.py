@@ -1,0 +1,296 @@
+"""GPU hardware health in the sidecar: NVML samples and Xid events, the kernel
+log (NVRM Xid lines), and the `xid`/`ecc` fault injections.
+
+Two independent sources on purpose: NVML's event API can miss an Xid the
+driver only logs, and the kernel log is read-only for us and may be absent.
+Without a GPU or driver this says so once and stays out of the way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from typing import Any, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from trainwatch.diagnostics import kernel_log, xid
+from trainwatch.watchdog.incident import Incident
+from trainwatch.watchdog.nvml import NO_GPU_MESSAGE, NvmlPoller, XidEventWatcher, map_gpus_to_local_ranks
+
+log = logging.getLogger("trainwatch.sidecar")
+
+SAMPLE_INTERVAL_S = 1.0
+"""Seconds between NVML samples (metrics and ECC counters)."""
+INCIDENT_SEVERITIES = ("high", "critical")
+"""Xid severities that raise an incident; lower ones are metrics only."""
+
+
+class KernelLogSource:
+    """Follows a kernel log from now on: a file (tests, or a forwarded syslog) or /dev/kmsg."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._buf = ""
+        self._kmsg = path == "/dev/kmsg"
+        flags = os.O_RDONLY | (os.O_NONBLOCK if self._kmsg else 0)
+        self.fd = os.open(path, flags)
+        # From now on: old Xids are history, not incidents of this job.
+        os.lseek(self.fd, 0, os.SEEK_END)
+
+    @classmethod
+    def open(cls, path: str | None) -> "KernelLogSource | None":
+        candidates = [path] if path else ["/dev/kmsg"]
+        for p in candidates:
+            try:
+                return cls(p)
+            except OSError as e:
+                if path:
+                    log.warning("trainwatch: cannot read kernel log %s (%s)", p, e.strerror)
+        return None
+
+    def read_lines(self) -> list[str]:
+        lines: list[str] = []
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            except OSError:  # /dev/kmsg: EPIPE when records were overwritten; keep going
+                continue
+            if not chunk:
+                break
+            if self._kmsg:  # one record per read
+                lines.append(chunk.decode("utf-8", "replace").rstrip("\n"))
+                continue
+            self._buf += chunk.decode("utf-8", "replace")
+        if not self._kmsg and "\n" in self._buf:
+            *complete, self._buf = self._buf.split("\n")
+            lines.extend(complete)
+        return lines
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class HardwareMonitor:
+    def __init__(self, *, nproc: int, kernel_log_path: str | None, faults: list[dict], nvml: Any = None,
+                 out=None, clock=time.monotonic):
+        self.clock = clock
+        self.out = out
+        self.faults = [f for f in faults if f.get("kind") in ("xid", "ecc")]
+        self.fired: set[int] = set()
+        if nvml is None and self.faults:
+            # Injected hardware faults go through a fake NVML on any machine.
+            from trainwatch.watchdog.fake_nvml import FakeNvml
+
+            nvml = FakeNvml(gpu_count=max(1, nproc))
+        self.fake = nvml if nvml is not None and type(nvml).__name__ == "FakeNvml" else None
+        self.poller = NvmlPoller(nvml)
+        self.enabled = self.poller.start()
+        if not self.enabled:
+            print(f"[trainwatch] {NO_GPU_MESSAGE}", flush=True)
+        self.samples: list = []
+        self._last_sample = -1e9
+        self.gpu_of_local_rank: dict[int, int] = {}
+        self.events: "queue.Queue" = queue.Queue()
+        self.watcher = None
+        if self.enabled:
+            self.samples = self.poller.sample()
+            self.gpu_of_local_rank = map_gpus_to_local_ranks(self.samples, os.environ.get("CUDA_VISIBLE_DEVICES"), nproc)
+            self.watcher = XidEventWatcher(self.poller, self.events.put)
+            self.watcher.start()
+        self.kernel = KernelLogSource.open(kernel_log_path)
+        self.kernel_log_path = kernel_log_path
+        self.xid_counts: dict[int, int] = {}
+        self.ecc_seen: dict[int, int] = {}
+
+    # ---- mapping -------------------------------------------------------------
+
+    def _gpu_of_pci(self, pci: str | None) -> int | None:
+        key = kernel_log.pci_key(pci) if pci else None
+        for s in self.samples:
+            if key and kernel_log.pci_key(s.pci_bus_id) == key:
+                return s.index
+        return None
+
+    def _rank_of_gpu(self, gpu: int | None, table) -> tuple[int | None, int | None]:
+        if gpu is None:
+            return None, None
+        local = next((lr for lr, g in self.gpu_of_local_rank.items() if g == gpu), None)
+        if local is None or table is None:
+            return None, local
+        rows = table[table["local_rank"] == local]
+        return (int(rows["rank"][0]) if len(rows) else None), local
+
+    # ---- per tick ----------------------------------------------------------------
+
+    def poll_incidents(self, sidecar: Any) -> list[Incident]:
+        table = sidecar.last_table
+        self._inject(table)
+        found: list[Incident] = []
+        now = self.clock()
+        if self.enabled and now - self._last_sample >= SAMPLE_INTERVAL_S:
+            self._last_sample = now
+            try:
+                self.samples = self.poller.sample()
+            except Exception:
+                log.exception("trainwatch: NVML sample failed")
+            found.extend(self._ecc_incidents(table, now))
+        while True:
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                break
+            found.extend(self._xid_incidents([event], table, now, source="nvml"))
+        if self.kernel is not None:
+            lines = self.kernel.read_lines()
+            if lines:
+                events = kernel_log.parse_kernel_log("\n".join(lines))
+                found.extend(self._xid_incidents(events, table, now, source="kernel log"))
+        return found
+
+    def _xid_incidents(self, events: list, table, now: float, source: str) -> list[Incident]:
+        out = []
+        if not events:
+            return out
+        summary = kernel_log.summarize(events) if len(events) > 1 else None
+        for e in events:
+            if e.code is None:
+                continue
+            gpu = self._gpu_of_pci(e.pci)
+            if gpu is not None:
+                self.xid_counts[gpu] = self.xid_counts.get(gpu, 0) + 1
+            info = xid.sxid_info(e.code, e.text) if e.is_sxid else xid.lookup(e.code)
+            severity = e.severity or info.severity
+            if severity not in INCIDENT_SEVERITIES:
+                continue
+            if summary is not None and summary.most_severe is not None and e is not summary.most_severe:
+                continue  # a burst: one incident for its most severe event, naming the root cause
+            rank, local = self._rank_of_gpu(gpu, table)
+            kind = "ecc" if e.code in xid.ECC_CODES and not e.is_sxid else "xid"
+            root = summary.root_cause.code if summary is not None and summary.root_cause is not None else e.code
+            where = f"GPU {gpu}" if gpu is not None else f"PCI {e.pci or '?'}"
+            who = f"rank {rank}" if rank is not None else "no rank mapped"
+            out.append(
+                Incident(
+                    kind=kind,
+                    culprit_ranks=[rank] if rank is not None else [],
+                    victims=[],
+                    summary=f"Xid {e.code} ({info.name}) on {where} ({who}): {info.meaning}; action: {e.action or info.action}",
+                    severity=severity,
+                    runbook="gpu-ecc" if kind == "ecc" else "gpu-xid",
+                    category=kind,
+                    evidence={
+                        "xid": e.code, "gpu": gpu, "pci": e.pci, "local_rank": local, "meaning": info.meaning,
+                        "action": e.action or info.action, "root_cause": root, "line": e.text, "source": source,
+                        "recovery_action": getattr(e, "recovery_action", None),
+                    },
+                    key=f"{kind}:{gpu}:{e.code}:{e.text}",
+                    detected_mono=now,
+                )
+            )
+        return out
+
+    def _ecc_incidents(self, table, now: float) -> list[Incident]:
+        out = []
+        for s in self.samples:
+            count = (s.ecc_volatile_uncorrected or 0)
+            prev = self.ecc_seen.get(s.index, count if s.index in self.ecc_seen else 0)
+            self.ecc_seen[s.index] = count
+            if count > prev:
+                rank, local = self._rank_of_gpu(s.index, table)
+                who = f"rank {rank}" if rank is not None else "no rank mapped"
+                out.append(
+                    Incident(
+                        kind="ecc",
+                        culprit_ranks=[rank] if rank is not None else [],
+                        victims=[],
+                        summary=f"uncorrectable ECC error on GPU {s.index} ({who}): {count - prev} new, "
+                        f"{count} since driver load; action: drain_node if it repeats, else reset_gpu",
+                        severity="critical",
+                        runbook="gpu-ecc",
+                        category="ecc",
+                        evidence={"gpu": s.index, "pci": s.pci_bus_id, "local_rank": local, "uncorrected": count,
+                                  "new": count - prev, "xid": None, "meaning": "uncorrectable ECC error",
+                                  "action": "reset_gpu"},
+                        key=f"ecc:{s.index}:{count}",
+                        detected_mono=now,
+                    )
+                )
+        return out
+
+    def _inject(self, table) -> None:
+        if not self.faults or table is None or not len(table):
+            return
+        for i, f in enumerate(self.faults):
+            if i in self.fired:
+                continue
+            rows = table[table["rank"] == f.get("rank", 1)]
+            if not len(rows) or int(rows["step"][0]) + 1 < f.get("step", 5):
+                continue
+            self.fired.add(i)
+            local = int(rows["local_rank"][0])
+            gpu = self.gpu_of_local_rank.get(local, local)
+            if f["kind"] == "ecc" and self.fake is not None:
+                self.fake.inject_ecc(gpu, uncorrected=1)
+            elif f["kind"] == "xid":
+                self._append_xid_line(gpu, int(f.get("params", {}).get("code", 79)), int(rows["pid"][0]))
+
+    def _append_xid_line(self, gpu: int, code: int, pid: int) -> None:
+        if not self.kernel_log_path:
+            log.warning("trainwatch: xid injection needs a kernel-log file (--kernel-log); skipped")
+            return
+        pci = next((s.pci_bus_id for s in self.samples if s.index == gpu), f"0000:{0x3b + gpu * 0x10:02x}:00.0")
+        info = xid.lookup(code)
+        bus = pci.rsplit(".", 1)[0]
+        ts = time.monotonic()
+        line = f"[{ts:12.6f}] NVRM: Xid (PCI:{bus}): {code}, pid={pid}, name=python, {info.meaning}\n"
+        with open(self.kernel_log_path, "a") as f:
+            f.write(line)
+
+    # ---- metrics ------------------------------------------------------------------
+
+    def metrics(self, job: str, node: str) -> Iterator:
+        labels = ["job", "node", "gpu", "rank"]
+        fams = {
+            "util": GaugeMetricFamily("trainwatch_gpu_utilization_ratio", "GPU busy fraction (0-1).", labels=labels),
+            "mem": GaugeMetricFamily("trainwatch_gpu_memory_used_bytes", "GPU memory in use.", labels=labels),
+            "memt": GaugeMetricFamily("trainwatch_gpu_memory_total_bytes", "GPU memory installed.", labels=labels),
+            "temp": GaugeMetricFamily("trainwatch_gpu_temperature_celsius", "GPU temperature.", labels=labels),
+            "power": GaugeMetricFamily("trainwatch_gpu_power_watts", "GPU board power draw.", labels=labels),
+            "clock": GaugeMetricFamily("trainwatch_gpu_sm_clock_hertz", "GPU SM clock.", labels=labels),
+        }
+        throttle = GaugeMetricFamily("trainwatch_gpu_throttle", "Active clock throttle reasons (1 = active).",
+                                     labels=labels + ["reason"])
+        ecc = CounterMetricFamily("trainwatch_gpu_ecc_errors", "ECC errors since driver load.", labels=labels + ["type"])
+        xids = CounterMetricFamily("trainwatch_gpu_xid_errors", "Xid errors seen by trainwatch.", labels=labels)
+        rank_of = {g: lr for lr, g in self.gpu_of_local_rank.items()}
+        for s in self.samples:
+            lv = [job, node, str(s.index), str(rank_of.get(s.index, ""))]
+            for key, value in (("util", None if s.utilization_pct is None else s.utilization_pct / 100.0),
+                               ("mem", s.memory_used_bytes), ("memt", s.memory_total_bytes),
+                               ("temp", s.temperature_c), ("power", s.power_w),
+                               ("clock", None if s.sm_clock_mhz is None else s.sm_clock_mhz * 1e6)):
+                if value is not None:
+                    fams[key].add_metric(lv, float(value))
+            for reason in s.throttle_reasons or ():
+                throttle.add_metric(lv + [reason], 1.0)
+            if s.ecc_volatile_corrected is not None:
+                ecc.add_metric(lv + ["corrected"], float(s.ecc_volatile_corrected))
+            if s.ecc_volatile_uncorrected is not None:
+                ecc.add_metric(lv + ["uncorrected"], float(s.ecc_volatile_uncorrected))
+            xids.add_metric(lv, float(self.xid_counts.get(s.index, 0)))
+        yield from fams.values()
+        yield throttle
+        yield ecc
+        yield xids
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.poller.shutdown()
+        if self.kernel is not None:
+            self.kernel.close()
