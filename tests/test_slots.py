@@ -1,6 +1,7 @@
 import math
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -64,6 +65,49 @@ def test_torn_write_is_never_returned(segment):
     finally:
         stop.set()
         t.join()
+
+
+def _hammer(path, index, seconds):
+    seg = slots.Segment(path)
+    w = slots.SlotWriter(seg, index, pid=os.getpid(), rank=index, world_size=2, restart=0)
+    w.write_step(1, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0, 0.0, 1)
+    i, deadline = 1, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        i += 1
+        w.write_fast(i, 1.0, 1.0, 0.1, 0.1, float(i), 0.0, 1, 0.0, i)
+        w.write_phase(2, float(i), i)
+        w.write_sampler(float(i), True, i, [slots.CollectiveGroup(0, i, i, "allreduce")])
+
+
+def test_table_reads_are_never_torn_across_processes(tmp_path):
+    """Writers in other processes hammering their slots as fast as they can:
+    every row read is a whole record (step == collectives == heartbeat)."""
+    import multiprocessing as mp
+
+    path = str(tmp_path / "seg")
+    slots.create_segment(path, 2)
+    seg = slots.Segment(path)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_hammer, args=(path, i, 3.0)) for i in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        reads = checked = 0
+        deadline = time.monotonic() + 20
+        previous = None
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            table = seg.read_table(previous=previous)
+            previous = table
+            reads += 1
+            live = table[table["pid"] > 0]
+            started = live[live["step"] > 1]
+            checked += len(started)
+            assert (started["step"] == started["py_collectives"]).all()
+            assert (started["groups"]["enqueued"][:, 0] == started["sampled_step"]).all()
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    assert checked > 100, (reads, checked)
 
 
 def test_control_channel(segment):

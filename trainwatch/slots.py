@@ -269,26 +269,35 @@ class Segment:
             ),
         )
 
-    def read_table(self, retries: int = 16):
+    def read_table(self, retries: int = 16, previous=None):
         """All slots as one numpy structured array (dtype `slot_dtype()`), copied
-        out of the mapping; slots torn by a concurrent write are re-read."""
+        out of the mapping. Seqlock reader: sequence numbers are read before and
+        after the copy; rows written meanwhile are re-read. A row still torn
+        after the retries (its writer is mid-write right now) takes its value
+        from `previous` (the last good table) or is returned empty (pid 0)."""
         import numpy as np
 
         dt = slot_dtype()
         raw = np.frombuffer(self.buf, dtype=dt, count=self.nslots, offset=HEADER_SIZE)
+        seq = raw[["seq_a", "seq_b"]]
+        before = seq.copy()
         table = raw.copy()
+        after = seq.copy()
+        torn = _torn(before, after)
         for _ in range(retries):
-            again = raw[["seq_a", "seq_b"]]
-            torn = (
-                (table["seq_a"] & 1).astype(bool)
-                | (table["seq_b"] & 1).astype(bool)
-                | (again["seq_a"] != table["seq_a"])
-                | (again["seq_b"] != table["seq_b"])
-            )
             if not torn.any():
-                break
+                return table
             idx = np.nonzero(torn)[0]
+            before = seq[idx].copy()
             table[idx] = raw[idx]
+            after = seq[idx].copy()
+            torn[idx] = _torn(before, after)
+        if torn.any():
+            idx = np.nonzero(torn)[0]
+            if previous is not None and len(previous) == len(table):
+                table[idx] = previous[idx]
+            else:
+                table["pid"][idx] = 0
         return table
 
     def read_all(self) -> list[RankSnapshot]:
@@ -310,11 +319,19 @@ class Segment:
         self.buf[base : base + SLOT_SIZE] = bytes(SLOT_SIZE)
 
 
+def _torn(before, after):
+    return (
+        ((before["seq_a"] | before["seq_b"]) & 1).astype(bool)
+        | (before["seq_a"] != after["seq_a"])
+        | (before["seq_b"] != after["seq_b"])
+    )
+
+
 class SlotWriter:
     """The rank side of one slot. Only the owning rank's threads write here."""
 
-    __slots__ = ("_buf", "_base", "_seq_a", "_seq_b", "_ident", "_a_off", "_seq_off", "_body", "_seq",
-                 "_dyn", "_dyn_off", "_ph", "_ph_off")
+    __slots__ = ("_buf", "_base", "_seq_a", "_seq_b", "_ident", "_a_off", "_seq_off", "_body",
+                 "_dyn", "_dyn_off", "_ph", "_ph_off", "_q", "_qa", "_qb")
 
     def __init__(self, segment: Segment, index: int, *, pid: int, rank: int, world_size: int, restart: int):
         self._buf = segment.buf
@@ -325,7 +342,12 @@ class SlotWriter:
         self._a_off = self._base + A_BODY_OFF
         self._seq_off = self._base + A_OFF
         self._body = A_BODY.pack_into
-        self._seq = SEQ.pack_into
+        # Sequence numbers are stored as single aligned 8-byte writes through a
+        # 'Q' view: struct.pack_into zero-fills before writing, and a reader
+        # that caught two such zero windows would take a torn record as whole.
+        self._q = segment.buf.cast("Q")
+        self._qa = (self._base + A_OFF) // 8
+        self._qb = (self._base + B_OFF) // 8
         self._dyn = A_DYN.pack_into
         self._dyn_off = self._base + A_DYN_OFF
         self._ph = A_PHASE.pack_into
@@ -336,20 +358,20 @@ class SlotWriter:
         """write_step without the identity fields (written once by write_step):
         the per-step call, kept to three struct writes."""
         seq = self._seq_a + 1
-        buf = self._buf
-        self._seq(buf, self._seq_off, seq)
-        self._dyn(buf, self._dyn_off, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono,
+        q = self._q
+        q[self._qa] = seq
+        self._dyn(self._buf, self._dyn_off, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono,
                   phase, 0, phase_mono, py_collectives)
         self._seq_a = seq + 1
-        self._seq(buf, self._seq_off, seq + 1)
+        q[self._qa] = seq + 1
 
     def write_phase(self, phase: int, phase_mono: float, py_collectives: int) -> None:
         seq = self._seq_a + 1
-        buf = self._buf
-        self._seq(buf, self._seq_off, seq)
-        self._ph(buf, self._ph_off, phase, 0, phase_mono, py_collectives)
+        q = self._q
+        q[self._qa] = seq
+        self._ph(self._buf, self._ph_off, phase, 0, phase_mono, py_collectives)
         self._seq_a = seq + 1
-        self._seq(buf, self._seq_off, seq + 1)
+        q[self._qa] = seq + 1
 
     def write_step(
         self,
@@ -365,7 +387,7 @@ class SlotWriter:
         py_collectives: int,
     ) -> None:
         seq = self._seq_a + 1
-        self._seq(self._buf, self._seq_off, seq)
+        self._q[self._qa] = seq
         pid, rank, local_rank, world, restart = self._ident
         self._body(
             self._buf,
@@ -388,7 +410,7 @@ class SlotWriter:
             py_collectives,
         )
         self._seq_a = seq + 1
-        self._seq(self._buf, self._seq_off, seq + 1)
+        self._q[self._qa] = seq + 1
 
     def write_sampler(
         self,
@@ -399,7 +421,7 @@ class SlotWriter:
     ) -> None:
         base = self._base
         seq = self._seq_b + 1
-        SEQ.pack_into(self._buf, base + B_OFF, seq)
+        self._q[self._qb] = seq
         groups = groups[:MAX_GROUPS]
         B_HEAD.pack_into(self._buf, base + B_HEAD_OFF, heartbeat_mono, int(fr_ok), len(groups), sampled_step)
         for i, g in enumerate(groups):
@@ -413,7 +435,7 @@ class SlotWriter:
                 g.last_op.encode("ascii", "replace")[:OP_NAME_BYTES],
             )
         self._seq_b = seq + 1
-        SEQ.pack_into(self._buf, base + B_OFF, seq + 1)
+        self._q[self._qb] = seq + 1
 
     # control region, rank side
     def read_request(self) -> int:

@@ -95,6 +95,19 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
             return _from_incident(last, "no live ranks; showing the last incident")
         return Verdict("other", [], "no telemetry from any rank yet", "hang", 0.1, [])
 
+    # Only incidents of the current run of the worker group count as live.
+    incidents = list(incidents)
+    last_restart = max((i for i, x in enumerate(incidents) if x.get("kind") == "restart"), default=-1)
+    incidents = incidents[last_restart + 1:]
+    mismatch = next((i for i in reversed(incidents) if i.get("kind") == "collective_mismatch"), None)
+    if mismatch is not None:
+        # A desync need not stall anything: later collectives pair with the wrong
+        # partner and values are silently wrong. The incident is the verdict.
+        culprits = sorted(mismatch.get("culprit_ranks") or [])
+        return Verdict(
+            "collective_mismatch", culprits, mismatch.get("summary", "collective mismatch"),
+            "collective-mismatch", 0.9, [str(mismatch.get("summary", ""))],
+        )
     gone = [r for r in ranks if r.get("state") in (None, "gone", "zombie") and r.get("pid")]
     steps = [r["step"] for r in ranks]
     step_s = [r["step_s"] for r in ranks if r.get("step_s")]

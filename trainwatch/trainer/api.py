@@ -414,6 +414,9 @@ def _count_collectives(tw: Telemetry) -> None:
                 return None  # an injected desync: this rank silently skips one all_reduce
             tw.py_collectives += 1
             tw.last_py_op = name
+            # Published before the call: a rank blocked inside it must show
+            # that it entered one more collective than a peer that skipped it.
+            tw._writer.write_phase(tw._phase, tw._phase_since, tw.py_collectives)
             return fn(*args, **kwargs)
 
         counted.__wrapped__ = fn  # type: ignore[attr-defined]

@@ -28,6 +28,23 @@ INCIDENT_SEVERITIES = ("high", "critical")
 """Xid severities that raise an incident; lower ones are metrics only."""
 
 
+# What the driver itself prints for common codes, so an injected line reads
+# (and parses) like the real thing.
+DRIVER_TEXT = {
+    13: "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address",
+    31: "Ch 00000008, intr 10000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f1c_2e000000. "
+        "Fault is of type FAULT_PDE ACCESS_TYPE_READ",
+    48: "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 0, "
+        "subpartition 0.",
+    63: "Row Remapper: New row marked for remapping, reset gpu to activate.",
+    74: "NVLink: fatal error detected on link 4(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)",
+    79: "GPU has fallen off the bus.",
+    94: "Contained: SM (0x1). RST: No, D-RST: No",
+    95: "Uncontained: FBHUB. RST: Yes, D-RST: No",
+    119: "Timeout after 6s of waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL).",
+}
+
+
 class KernelLogSource:
     """Follows a kernel log from now on: a file (tests, or a forwarded syslog) or /dev/kmsg."""
 
@@ -244,10 +261,10 @@ class HardwareMonitor:
             log.warning("trainwatch: xid injection needs a kernel-log file (--kernel-log); skipped")
             return
         pci = next((s.pci_bus_id for s in self.samples if s.index == gpu), f"0000:{0x3b + gpu * 0x10:02x}:00.0")
-        info = xid.lookup(code)
         bus = pci.rsplit(".", 1)[0]
         ts = time.monotonic()
-        line = f"[{ts:12.6f}] NVRM: Xid (PCI:{bus}): {code}, pid={pid}, name=python, {info.meaning}\n"
+        text = DRIVER_TEXT.get(code) or xid.lookup(code).meaning
+        line = f"[{ts:12.6f}] NVRM: Xid (PCI:{bus}): {code}, pid={pid}, name=python, {text}\n"
         with open(self.kernel_log_path, "a") as f:
             f.write(line)
 

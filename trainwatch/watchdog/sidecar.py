@@ -52,6 +52,7 @@ class Sidecar:
         self.out = out if out is not None else sys.stdout
         self.job_dir = state.job_dir(job)
         self.last_table = None
+        self._full_table = None
         self.last_nodes: list[str] = []
         self.incident_counts: dict[str, int] = {}
         self.incidents: list[dict] = []
@@ -98,7 +99,8 @@ class Sidecar:
     # ---- one round ------------------------------------------------------------------
 
     def read(self):
-        table = self.segment.read_table()
+        table = self.segment.read_table(previous=self._full_table)
+        self._full_table = table
         live = table[table["pid"] > 0]
         self.last_table = live
         self.last_nodes = [self.node] * len(live)
@@ -246,8 +248,8 @@ class Sidecar:
                 next_at = time.monotonic()
                 delay = 0
             stop.wait(delay)
-        try:  # the final state of every rank outlives the segment
-            self.read()
+        try:  # one last round (exits reported as the job ended), then the final state
+            self.tick()
             self.write_snapshot()
         except Exception:
             log.exception("trainwatch sidecar: final snapshot failed")

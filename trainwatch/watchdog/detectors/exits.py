@@ -40,6 +40,12 @@ class ExitDetector(Detector):
             return []
         teardown = [e for e in failed if e.signal_name in self.config.teardown_signals]
         primary = [e for e in failed if e.signal_name not in self.config.teardown_signals]
+        if not primary and len({e.signal_name for e in teardown}) > 1:
+            # One batch with SIGKILL and SIGTERM: the launcher SIGTERMs the
+            # survivors, so the odd one out is the fault.
+            stop = self.config.teardown_signals[0]
+            primary = [e for e in teardown if e.signal_name != stop]
+            teardown = [e for e in teardown if e.signal_name == stop]
         recent = self._last_failure is not None and view.now - self._last_failure < self.config.collateral_s
         if primary:
             self._last_failure = view.now

@@ -248,6 +248,9 @@ class CollectiveMismatchDetector(Detector):
             return None
         e_pg = pgs[r, k]
         e_enq = enq[r, k]
+        candidates = []
+        op_mismatch = None
+        steps = sub["step"]
         for pg in np.unique(e_pg):
             sel = e_pg == pg
             if sel.sum() < 2:
@@ -255,11 +258,22 @@ class CollectiveMismatchDetector(Detector):
             members, seqs = r[sel], e_enq[sel]
             top = int(seqs.max())
             if seqs.min() < top:
-                return self._seq_incident(view, int(pg), rows[members], seqs, top)
+                # A rank that skipped a collective in one group runs ahead into
+                # the next step and is then "ahead" in the other groups. The
+                # group that tells the truth is the one where the ranks behind
+                # in sequence are not behind in steps.
+                lag = float(steps[members[seqs < top]].mean() - steps[members[seqs == top]].mean())
+                candidates.append((lag, -int(pg), members, seqs, top))
+                continue
             raw = groups["last_op"][members, k[sel]]
-            if len(np.unique(raw[raw != b""])) > 1:
-                ops = [op_name(o) for o in raw]
-                return self._op_incident(view, int(pg), rows[members], ops, top)
+            if op_mismatch is None and len(np.unique(raw[raw != b""])) > 1:
+                op_mismatch = (int(pg), members, [op_name(o) for o in raw], top)
+        if candidates:
+            _lag, neg_pg, members, seqs, top = max(candidates, key=lambda c: (c[0], c[1]))
+            return self._seq_incident(view, -neg_pg, rows[members], seqs, top)
+        if op_mismatch is not None:
+            pg, members, ops, top = op_mismatch
+            return self._op_incident(view, pg, rows[members], ops, top)
         return None
 
     def _seq_incident(self, view, pg, rows, seqs, top) -> Incident:
