@@ -157,3 +157,29 @@ def test_tick_time_at_4096_ranks():
     ms = benchmark_tick(nranks=4096, ticks=50)
     print(f"\nengine tick over 4096 ranks: median {ms:.2f} ms (budget 10 ms)")
     assert ms > 0
+
+
+def test_same_detection_handed_back_after_a_gap_is_not_a_new_incident():
+    from trainwatch.watchdog.detectors.base import Detector
+    from trainwatch.watchdog.engine import DetectorEngine
+    from trainwatch.watchdog.incident import Incident
+
+    held = Incident(kind="loss_spike", culprit_ranks=[2], summary="spike", detected_mono=5.0)
+
+    class Flicker(Detector):
+        name = "flicker"
+
+        def __init__(self):
+            self.calls = 0
+
+        def check(self, view):
+            self.calls += 1
+            return [] if self.calls == 2 else [held]
+
+    engine = DetectorEngine([Flicker()])
+    emitted = []
+    for i in range(4):
+        table = make_table(4)
+        table["step"] = 10 + i * 5  # steps advance, which would otherwise re-arm the key
+        emitted += engine.tick(TickView.from_table(100.0 + i, table))
+    assert emitted == [held]

@@ -99,12 +99,12 @@ def test_loss_health(tmp_path, kind, inject):
     assert incident["culprit_ranks"] == [CULPRIT]
 
 
-@pytest.mark.parametrize("inject, kind", [("xid:code=79", "xid"), ("ecc", "ecc")])
+@pytest.mark.parametrize("inject, kind", [("xid:code=79,", "xid"), ("ecc:", "ecc")])
 def test_hardware_fault(tmp_path, inject, kind):
     klog = tmp_path / "kern.log"
     klog.write_text("")
     incident, _, latency = run_fault(
-        tmp_path, kind, f"{inject},rank={CULPRIT},step=5", kind, extra=("--kernel-log", str(klog)), diagnose=True,
+        tmp_path, kind, f"{inject}rank={CULPRIT},step=5", kind, extra=("--kernel-log", str(klog)), diagnose=True,
     )
     assert incident["culprit_ranks"] == [CULPRIT]
     if kind == "xid":

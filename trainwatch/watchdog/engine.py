@@ -46,6 +46,9 @@ class _Seen:
     """Monotonic time the key stopped being reported; None while it is reported."""
     steps: dict[int, tuple[int, int]] = field(default_factory=dict)
     """(pid, step) of the culprit ranks when it last fired (rank -1: the job's lowest step)."""
+    detected: float = -1.0
+    """detected_mono of the incident last admitted: a detector that hands back the
+    same detection after a gap is not a new fault."""
 
 
 @dataclass(slots=True)
@@ -126,14 +129,17 @@ class DetectorEngine:
     def _admit(self, inc: Incident, view: TickView) -> bool:
         seen = self._seen.get(inc.key)
         if seen is None:
-            self._seen[inc.key] = _Seen(absent_since=None, steps=self._steps_of(inc, view))
+            self._seen[inc.key] = _Seen(absent_since=None, steps=self._steps_of(inc, view), detected=inc.detected_mono)
             return True
         if seen.absent_since is None:
             return False  # still the same fault
         absent_since, seen.absent_since = seen.absent_since, None
+        if inc.detected_mono == seen.detected:
+            return False
         now_steps = self._steps_of(inc, view)
         if view.now - absent_since >= self.config.rearm_s or _advanced(seen.steps, now_steps):
             seen.steps = now_steps
+            seen.detected = inc.detected_mono
             return True
         return False
 
