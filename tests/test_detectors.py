@@ -351,6 +351,14 @@ def test_mismatch_ras_ignores_ranks_in_data_loading_and_long_steps():
         v = view(t, 100.0 + i * 0.1)
         v.table["heartbeat_mono"] = v.now
         assert det.check(v) == []
+    for phase in ("compute", "forward", "optimizer"):  # still computing: a hang
+        det = CollectiveMismatchDetector()
+        t = stalled_table(100.0)
+        set_rows(t, 3, enqueued=811, phase=phase)
+        for i in range(1, 50):
+            v = view(t, 100.0 + i * 0.1)
+            v.table["heartbeat_mono"] = v.now
+            assert det.check(v) == [], phase
     det = CollectiveMismatchDetector()
     t = stalled_table(100.0)
     set_rows(t, [0, 1, 2, 3], step_s=4.0)  # 4 s steps: 5 s without one is normal

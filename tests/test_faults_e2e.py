@@ -21,7 +21,7 @@ CULPRIT = 2
 TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", "100000", "--log-interval", "1000"]
 
 
-def run_fault(tmp_path, job, inject, kind, *, extra=(), timeout=60, diagnose=None):
+def run_fault(tmp_path, job, inject, kind, *, extra=(), timeout=120, diagnose=None):
     proc = start(tmp_path, "launch", "--nproc-per-node", "4", "--job", job, "--no-restart", "--inject", inject,
                  *extra, *TRAINER)
     try:

@@ -37,9 +37,10 @@ from trainwatch.watchdog.incident import Incident, describe_ranks
 # Phases whose rank has an honest reason not to have reached the collective
 # yet (loading data, writing a checkpoint, evaluating, starting up, done):
 # a rank stuck there is a hang, named by the hang detector, not a desync.
-_ELSEWHERE = np.array(
-    [slots.PHASE_CODES[p] for p in ("init", "data", "checkpoint", "eval", "done")], dtype=np.int32
-)
+# RAS-style comparison only among ranks parked in a collective. A rank that is
+# behind because it is still computing, loading data or saving is hung, not
+# desynchronised: the hang detector names it, with the right category.
+_WAITING = np.array([slots.PHASE_CODES[p] for p in sorted(slots.WAIT_PHASES)], dtype=np.int32)
 _MAX_LISTED = 32
 
 
@@ -235,7 +236,7 @@ class CollectiveMismatchDetector(Detector):
         limit = np.fmax(cfg.stall_s, cfg.stall_factor * sub["step_s"])
         hb = sub["heartbeat_mono"]
         hb_stale = (hb > 0) & (now - hb > cfg.heartbeat_stale_s)
-        stalled = (age[rows] >= limit) & (sub["step"] >= 1) & ~np.isin(sub["phase"], _ELSEWHERE) & ~hb_stale
+        stalled = (age[rows] >= limit) & (sub["step"] >= 1) & np.isin(sub["phase"], _WAITING) & ~hb_stale
         if not stalled.any():
             return None
         ng = np.clip(sub["ngroups"], 0, slots.MAX_GROUPS)
