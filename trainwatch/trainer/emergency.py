@@ -139,7 +139,8 @@ class EmergencyCheckpointer:
             step = self._steps[index]
             t0 = time.monotonic()
             path = save_checkpoint(
-                self.ckpt_dir, step, self._buffers[index], kind="emergency", rank=self.tw.rank, keep=self.keep
+                self.ckpt_dir, step, self._buffers[index], kind="emergency", rank=self.tw.rank, keep=self.keep,
+                fault_point=lambda: self.tw.fault_point("emergency_write"),
             )
             self.last_written = str(path)
             print(

@@ -200,18 +200,20 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
         _check_fp8(rt)
     if cfg.ckpt_dir:
         ckpt.ensure_writable(cfg.ckpt_dir)
-    state, resumed_from = _resume_state(cfg, rt)
+    tw = trainwatch.init()
+    with tw.phase("checkpoint"):
+        state, resumed_from = _resume_state(cfg, rt)
     first_step = 1 if state is None else int(state.get("step", 0)) + 1
     say = (lambda msg: print(msg, flush=True)) if rt.rank == 0 else (lambda msg: None)
     if first_step > cfg.max_steps:
         say(f"nothing to do: checkpoint {resumed_from} is at step {first_step - 1} >= --max-steps {cfg.max_steps}")
         return TrainResult(first_step, first_step - 1, math.nan, math.nan, 0.0, resumed_from)
 
-    tw = trainwatch.init()
     if rt.device.type == "cuda":
         torch.cuda.set_device(rt.device)
         torch.set_float32_matmul_precision("high")
     if rt.distributed:
+        tw.set_phase("init")
         dist.init_process_group("nccl" if rt.device.type == "cuda" else "gloo")
     try:
         result = _run(cfg, rt, tw, state, resumed_from, first_step, say)
@@ -247,6 +249,17 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
         ddp = DistributedDataParallel(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
     corpus = load_corpus()
     autocast = _precision_context(cfg.precision, rt.device)
+    if rt.distributed:
+        # DDP lays its gradient buckets out again after the first backward, and
+        # the layout decides the order in which floats are summed across ranks
+        # (with more than two ranks, a different order is a different result).
+        # One warm-up pass (loss x 0, no optimizer step) makes every run, fresh
+        # or resumed, train each step on the same layout: resume is bit-exact.
+        x0, y0 = get_batch(corpus, seed=cfg.seed, step=0, rank=rt.rank, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+        with autocast():
+            _, warm = ddp(x0.to(rt.device), y0.to(rt.device))
+        (warm * 0.0).backward()
+        opt.zero_grad(set_to_none=True)
     tokens_per_rank = cfg.batch_size * cfg.seq_len
     peak = peak_bf16_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
     flops_per_step = flops_per_token(model, cfg.seq_len) * tokens_per_rank

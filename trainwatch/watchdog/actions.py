@@ -101,8 +101,14 @@ class IncidentActions:
         if self._should_restart(record):
             t0 = time.monotonic()
             extra["checkpoint"] = request_emergency_checkpoint(sidecar.segment, self.policy.emergency_timeout_s)
+            t1 = time.monotonic()
             extra["restart"] = self.request_restart(sidecar, record)
-            extra["restart"]["checkpoint_s"] = round(time.monotonic() - t0, 3)
+            sidecar.note_fault(
+                record,
+                capture_s=(extra.get("capture") or {}).get("seconds", 0.0),
+                checkpoint_s=round(t1 - t0, 3),
+                requested_mono=time.monotonic(),
+            )
         return extra
 
     def _should_restart(self, record: dict) -> bool:

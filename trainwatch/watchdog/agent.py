@@ -35,6 +35,8 @@ class TrainwatchAgent(LocalElasticAgent):
         self.restart_count = 0
         self._exit_file = state.job_dir(job) / "control" / "exits.jsonl"
         self._restart_file = state.job_dir(job) / "control" / "restart-request.json"
+        self._timing_file = state.job_dir(job) / "control" / "restart-timing.json"
+        self.max_backoff_s = 30.0
 
     # ---- worker lifecycle ---------------------------------------------------------
 
@@ -64,9 +66,27 @@ class TrainwatchAgent(LocalElasticAgent):
         return pids
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """torchelastic's own restart (stop, re-rendezvous, start), timed for the
+        sidecar's recovery breakdown, with backoff so a job that keeps failing
+        does not flap: the first restart is immediate, then 2, 4, ... s."""
         self.restart_count += 1
-        self._on_event("restarting", {"restart": self.restart_count})
-        super()._restart_workers(worker_group)
+        backoff = 0.0 if self.restart_count == 1 else min(self.max_backoff_s, 2.0 ** (self.restart_count - 1))
+        print(f"[trainwatch] restarting worker group (restart {self.restart_count}/{worker_group.spec.max_restarts}"
+              + (f", after {backoff:.0f}s backoff" if backoff else "") + ")", flush=True)
+        t0 = time.monotonic()
+        self._stop_workers(worker_group)
+        t1 = time.monotonic()
+        if backoff:
+            time.sleep(backoff)
+        worker_group.state = WorkerState.STOPPED
+        self._initialize_workers(worker_group)  # rendezvous + start, as torchelastic does
+        t2 = time.monotonic()
+        state.write_json_atomic(
+            self._timing_file,
+            {"restart": self.restart_count, "stop_begin": t0, "stop_end": t1, "backoff_s": backoff,
+             "workers_started": t2, "rendezvous_s": round(t2 - t1 - backoff, 3)},
+        )
+        self._on_event("restarted", {"restart": self.restart_count})
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)

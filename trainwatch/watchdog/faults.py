@@ -25,7 +25,6 @@ _POINTS = {
     ("hang", "gc"): "forward",
     ("hang", "dataloader"): "data",
     ("hang", "checkpoint"): "step_end",
-    ("crash", None): "forward",
     ("straggler", None): "data",
 }
 
@@ -45,7 +44,10 @@ class Armed:
 
     def fault_point(self, where: str) -> None:
         for i, f in enumerate(self.faults):
-            point = _POINTS.get((f.kind, f.params.get("where") if f.kind == "hang" else None))
+            if f.kind == "crash":
+                point = f.params.get("at", "forward")
+            else:
+                point = _POINTS.get((f.kind, f.params.get("where") if f.kind == "hang" else None))
             if point != where:
                 continue
             if f.kind == "straggler":

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 KINDS: dict[str, set[str]] = {
     "hang": {"where", "rank", "step", "seconds"},
-    "crash": {"rank", "step", "signal"},
+    "crash": {"rank", "step", "signal", "at"},
     "straggler": {"delay", "rank", "step"},
     "nan": {"rank", "step"},
     "spike": {"rank", "step", "factor"},
@@ -21,6 +21,7 @@ KINDS: dict[str, set[str]] = {
     "ecc": {"rank", "step"},
 }
 HANG_WHERE = ("collective_skip", "gc", "dataloader", "checkpoint", "compute")
+CRASH_AT = ("forward", "emergency_write")
 
 
 class InjectError(ValueError):
@@ -61,6 +62,8 @@ def parse(spec: str) -> FaultSpec:
         where = fault.params.setdefault("where", "compute")
         if where not in HANG_WHERE:
             raise InjectError(f"--inject hang: unknown where={where!r}; valid: {', '.join(HANG_WHERE)}")
+    if kind == "crash" and fault.params.setdefault("at", "forward") not in CRASH_AT:
+        raise InjectError(f"--inject crash: unknown at={fault.params['at']!r}; valid: {', '.join(CRASH_AT)}")
     for key in ("delay", "seconds", "factor"):
         if key in fault.params:
             try:

@@ -27,6 +27,7 @@ from trainwatch.watchdog import inject
 log = logging.getLogger("trainwatch")
 
 DEFAULT_MODULE = "trainwatch.trainer"
+DEFAULT_MAX_RESTARTS = 3
 
 
 class LaunchError(ValueError):
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest == "training_script":
             action.nargs = "?"
             action.default = None
+    # trainwatch restarts hung or crashed jobs by default (torchrun: 0).
+    parser.set_defaults(max_restarts=int(os.environ.get("PET_MAX_RESTARTS", DEFAULT_MAX_RESTARTS)))
     tw = parser.add_argument_group("trainwatch")
     tw.add_argument("--job", default=None, help="Job name (default: generated and printed).")
     tw.add_argument(
@@ -220,6 +223,8 @@ class SidecarProcess:
         ]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         self.starts += 1
+        if self.starts > 1:
+            state.update_job(self.config.job, sidecar_pid=self.proc.pid, sidecar_starts=self.starts)
 
     def wait_ready(self, timeout_s: float = 30.0) -> dict:
         path = state.job_dir(self.config.job) / "sidecar.json"
@@ -287,6 +292,8 @@ def launch(argv: list[str]) -> int:
         args.master_port = 29500
     if args.rdzv_id == "none":
         args.rdzv_id = config.job
+    if not config.restart:
+        args.max_restarts = 0  # alert-only: crashes are reported, never restarted
 
     try:
         launch_config, cmd, cmd_args = config_from_args(args)
@@ -305,6 +312,12 @@ def launch(argv: list[str]) -> int:
     os.environ["TRAINWATCH_SLOTS"] = segment_path
     os.environ["TRAINWATCH_INJECT"] = inject.encode(config.faults)
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    # With the rendezvous TCPStore shared across rounds (torch's default), a
+    # restarted gloo worker group reads the previous attempt's addresses from
+    # the store and fails in connectFullMesh ("Connection refused"): plain
+    # torchrun --max-restarts cannot restart such a job. A fresh store per
+    # attempt avoids it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Checkpoints (periodic and emergency) default into the job's directory, so a
     # restarted worker group resumes from them with no flag.
     os.environ.setdefault("TRAINWATCH_CKPT_DIR", str(job_dir / "checkpoints"))
@@ -380,11 +393,13 @@ def launch(argv: list[str]) -> int:
     status, code = "failed", 1
     try:
         result = agent.run()
-        if result.is_failed():
+        from torch.distributed.elastic.agent.server.api import WorkerState
+
+        if result.state != WorkerState.SUCCEEDED:
             status, code = "failed", 1
             failures = ", ".join(
                 f"rank {r}: exit code {f.exitcode}" for r, f in sorted(result.failures.items())
-            )
+            ) or "the watchdog's restart budget is spent"
             print(f"[trainwatch] job {config.job} failed ({failures})", file=sys.stderr, flush=True)
         else:
             status, code = "succeeded", 0
@@ -411,4 +426,27 @@ def launch(argv: list[str]) -> int:
         except OSError:
             pass
     print(f"[trainwatch] job {config.job} {status} (restarts: {agent.restart_count})", flush=True)
+    if status == "failed":
+        print(failure_summary(config.job, agent.restart_count, args.max_restarts), file=sys.stderr, flush=True)
     return code
+
+
+def failure_summary(job: str, restarts: int, max_restarts: int) -> str:
+    """What a user needs when trainwatch gives up: what happened, how often, what next."""
+    events = list(state.read_events(job))
+    kinds: dict[str, int] = {}
+    for e in events:
+        kinds[e.get("kind", "?")] = kinds.get(e.get("kind", "?"), 0) + 1
+    last = next((e for e in reversed(events) if e.get("kind") not in ("restart",)), None)
+    lines = [f"[trainwatch] summary for job {job}:"]
+    lines.append(f"  restarts: {restarts} of {max_restarts} allowed"
+                 + (" (budget spent)" if max_restarts and restarts >= max_restarts else ""))
+    lines.append("  incidents: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"))
+    if last is not None:
+        verdict = last.get("verdict") or {}
+        lines.append(f"  last: {last.get('kind')}: {verdict.get('summary') or last.get('summary', '')}")
+        runbook = verdict.get("runbook") or last.get("runbook")
+        if runbook:
+            lines.append(f"  next: trainwatch runbook {runbook}")
+    lines.append(f"  details: trainwatch diagnose {job}")
+    return "\n".join(lines)

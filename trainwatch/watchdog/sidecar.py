@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from trainwatch import slots, state
 
 log = logging.getLogger("trainwatch.sidecar")
@@ -26,6 +28,12 @@ TICK_INTERVAL_S = 0.1
 """Seconds between detector rounds."""
 SNAPSHOT_INTERVAL_S = 1.0
 """Seconds between telemetry.json snapshots (what `diagnose` reads for a finished job)."""
+
+
+def _delta(a, b) -> float | None:
+    if a is None or b is None:
+        return None
+    return round(max(0.0, float(b) - float(a)), 3)
 
 
 def _finite(x) -> float | None:
@@ -53,6 +61,10 @@ class Sidecar:
         self.job_dir = state.job_dir(job)
         self.last_table = None
         self._full_table = None
+        self._restart_seen = 0
+        self._last_step = 0
+        self._fault: dict | None = None
+        self._gen_ready: float | None = None
         self.last_nodes: list[str] = []
         self.incident_counts: dict[str, int] = {}
         self.incidents: list[dict] = []
@@ -102,6 +114,8 @@ class Sidecar:
         table = self.segment.read_table(previous=self._full_table)
         self._full_table = table
         live = table[table["pid"] > 0]
+        if len(live):
+            self._track_restarts(live)
         self.last_table = live
         self.last_nodes = [self.node] * len(live)
         for row in live:
@@ -112,6 +126,77 @@ class Sidecar:
                 self.step_hist.observe(self.node, key[0], float(row["step_s"]))
             self._last_steps[key] = step
         return live
+
+    # ---- recovery accounting -------------------------------------------------------
+
+    def _track_restarts(self, live) -> None:
+        restart = int(live["restart"].max())
+        old = live[live["restart"] < restart]
+        if restart == self._restart_seen:
+            self._last_step = max(self._last_step, int(live["step"].max()))
+            return
+        new = live[live["restart"] == restart]
+        if self._gen_ready is None and not len(old) and (new["phase"] != slots.PHASE_CODES["init"]).all():
+            # Every new rank is past start-up (imports, checkpoint load, process group).
+            self._gen_ready = self.clock()
+        # The new worker group has recovered once every rank finished a step.
+        if len(old) or not (new["progress_mono"] > new["start_mono"]).all():
+            return
+        self._restart_seen = restart
+        resumed_at = int(new["step"].min()) - 1
+        first_step_done = float(new["progress_mono"].max())
+        started = float(new["start_mono"].min())
+        timing = state.read_json(self.job_dir / "control" / "restart-timing.json") or {}
+        fault = self._fault or {}
+        t_fault = fault.get("fault_mono", fault.get("detected_mono"))
+        requested = fault.get("requested_mono") or timing.get("stop_begin")
+        breakdown = {
+            "detect_s": _delta(t_fault, fault.get("detected_mono")),
+            "capture_s": fault.get("capture_s", 0.0),
+            "checkpoint_s": fault.get("checkpoint_s", 0.0),
+            "teardown_s": _delta(requested, timing.get("stop_end")),
+            "rendezvous_s": timing.get("rendezvous_s"),
+            "load_s": _delta(timing.get("workers_started"), self._gen_ready or started),
+            "first_step_s": _delta(self._gen_ready or started, first_step_done),
+        }
+        recovery_s = _delta(t_fault, first_step_done)
+        lost = max(0, self._last_step - resumed_at)
+        parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in breakdown.items() if v is not None)
+        from trainwatch.watchdog.incident import Incident
+
+        self.emit(
+            Incident(
+                kind="restart",
+                culprit_ranks=fault.get("culprit_ranks") or [],
+                summary=f"restart {restart}: resumed from step {resumed_at} (lost {lost} step{'s' if lost != 1 else ''})"
+                + (f", back to training {recovery_s:.1f}s after the fault" if recovery_s is not None else "")
+                + (f" ({parts})" if parts else ""),
+                severity="info",
+                runbook=None,
+                evidence={"restart": restart, "resumed_from_step": resumed_at, "last_step_before": self._last_step,
+                          "steps_lost": lost, "recovery_s": recovery_s, "breakdown": breakdown,
+                          "cause": fault.get("kind")},
+                key=f"restart:{restart}",
+                detected_mono=self.clock(),
+            )
+        )
+        self._fault = None
+        self._gen_ready = None
+        self._last_step = int(new["step"].max())
+
+    def note_fault(self, record: dict, **times: float) -> None:
+        """Remember the fault a restart will recover from (for the restart's breakdown)."""
+        fault = {"kind": record.get("kind"), "culprit_ranks": record.get("culprit_ranks") or [],
+                 "detected_mono": record.get("detected_mono")}
+        table = self.last_table
+        culprits = set(fault["culprit_ranks"])
+        if table is not None and culprits and len(table):
+            rows = table[np.isin(table["rank"], list(culprits))]
+            if len(rows):
+                # The fault began when the culprit last made progress.
+                fault["fault_mono"] = float(rows["progress_mono"].min())
+        fault.update(times)
+        self._fault = fault
 
     def snapshot(self) -> list[dict]:
         """Per-rank view of the last read, JSON-ready (for telemetry.json and diagnose)."""
@@ -214,6 +299,8 @@ class Sidecar:
                 record.update(self.actions.handle(self, incident, record) or {})
             except Exception:
                 log.exception("trainwatch: action for %s failed", record.get("kind"))
+        if record.get("kind") == "crash" and self._fault is None:
+            self.note_fault(record)
         state.append_event(self.job, record)
         kind = record.get("kind", "unknown")
         self.incident_counts[kind] = self.incident_counts.get(kind, 0) + 1
