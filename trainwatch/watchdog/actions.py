@@ -57,16 +57,22 @@ def request_emergency_checkpoint(segment: slots.Segment, timeout_s: float, *, lo
     targets = [int(i) for i in range(segment.nslots) if table["pid"][i] > 0]
     if local_ranks is not None:
         targets = [i for i in targets if i in local_ranks]
-    request_id = int(time.time() * 1000)
+    new_id = int(time.time() * 1000)
+    wanted: dict[int, int] = {}
     for i in targets:
-        segment.request_checkpoint(i, request_id)
+        req, done, _status, _step = segment.read_control(i)
+        if req and req != done:
+            wanted[i] = req  # a write is already under way (agent and sidecar may both ask): wait for it
+        else:
+            segment.request_checkpoint(i, new_id)
+            wanted[i] = new_id
     pending = set(targets)
     written: dict[int, int] = {}
     failed: dict[int, str] = {}
     while pending and clock() - start < timeout_s:
         for i in sorted(pending):
             _req, done, status, step = segment.read_control(i)
-            if done == request_id and status in (slots.CKPT_OK, slots.CKPT_FAILED):
+            if done == wanted[i] and status in (slots.CKPT_OK, slots.CKPT_FAILED):
                 pending.discard(i)
                 rank = int(table["rank"][i])
                 if status == slots.CKPT_OK:
@@ -78,7 +84,8 @@ def request_emergency_checkpoint(segment: slots.Segment, timeout_s: float, *, lo
     for i in pending:
         _req, done, status, _step = segment.read_control(i)
         rank = int(table["rank"][i])
-        failed[rank] = "still writing at the deadline" if done == request_id else "did not answer (GIL held, stopped or dead)"
+        writing = status == slots.CKPT_WRITING and done == wanted[i]
+        failed[rank] = "still writing at the deadline" if writing else "did not answer (GIL held, stopped or dead)"
     return {
         "requested": sorted(int(table["rank"][i]) for i in targets),
         "written": {str(k): v for k, v in sorted(written.items())},
@@ -161,11 +168,14 @@ class IncidentActions:
 
     def request_restart(self, sidecar: Any, record: dict) -> dict:
         self.restart_requested_at = time.monotonic()
+        table = sidecar.last_table
         request = {
             "reason": f"{record.get('kind')}: {record.get('summary', '')}",
             "kind": record.get("kind"),
             "time": time.time(),
-            "detected_wall": record.get("detected_wall"),
+            # The worker generation this is about: a request that arrives after the
+            # agent already restarted for another reason must not restart again.
+            "generation": int(table["restart"].max()) if table is not None and len(table) else 0,
         }
         state.write_json_atomic(sidecar.job_dir / "control" / "restart-request.json", request)
         return {"requested": True}

@@ -25,7 +25,8 @@ log = logging.getLogger("trainwatch")
 
 class TrainwatchAgent(LocalElasticAgent):
     def __init__(self, *args: Any, job: str, segment: slots.Segment, sidecar: Any = None,
-                 on_event: Callable[[str, dict], None] | None = None, **kwargs: Any):
+                 on_event: Callable[[str, dict], None] | None = None, emergency_timeout_s: float = 10.0,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.job = job
         self.segment = segment
@@ -37,6 +38,8 @@ class TrainwatchAgent(LocalElasticAgent):
         self._restart_file = state.job_dir(job) / "control" / "restart-request.json"
         self._timing_file = state.job_dir(job) / "control" / "restart-timing.json"
         self.max_backoff_s = 30.0
+        self.emergency_timeout_s = emergency_timeout_s
+        self._survivors_saved = -1
 
     # ---- worker lifecycle ---------------------------------------------------------
 
@@ -89,6 +92,7 @@ class TrainwatchAgent(LocalElasticAgent):
         self._on_event("restarted", {"restart": self.restart_count})
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._checkpoint_survivors()
         result = super()._monitor_workers(worker_group)
         if self.sidecar is not None:
             self.sidecar.ensure_running()
@@ -131,6 +135,28 @@ class TrainwatchAgent(LocalElasticAgent):
                 f.write(json.dumps(line) + "\n")
         self._on_event("workers_failed", {"exits": lines})
 
+    def _checkpoint_survivors(self) -> None:
+        """When a rank has died, torchelastic's next poll stops every worker. Before
+        that, ask the survivors (through their slots) to write the state they staged
+        at their last step, so the restart loses nothing."""
+        if self._survivors_saved == self.restart_count:
+            return
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        try:
+            codes = {lr: h.proc.poll() for lr, h in handlers.items()}
+        except AttributeError:  # a torch without subprocess handlers: nothing to do early
+            return
+        if not any(code not in (None, 0) for code in codes.values()):
+            return
+        self._survivors_saved = self.restart_count
+        alive = [lr for lr, code in codes.items() if code is None]
+        if not alive:
+            return
+        from trainwatch.watchdog.actions import request_emergency_checkpoint
+
+        result = request_emergency_checkpoint(self.segment, self.emergency_timeout_s, local_ranks=alive)
+        self._on_event("survivors_checkpointed", result)
+
     def _take_restart_request(self) -> dict | None:
         try:
             request = json.loads(self._restart_file.read_text())
@@ -140,4 +166,7 @@ class TrainwatchAgent(LocalElasticAgent):
             os.unlink(self._restart_file)
         except OSError:
             pass
+        if int(request.get("generation", self.restart_count)) != self.restart_count:
+            log.warning("trainwatch: ignoring a restart request for an earlier worker group (%s)", request.get("reason"))
+            return None
         return request

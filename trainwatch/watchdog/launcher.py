@@ -388,6 +388,7 @@ def launch(argv: list[str]) -> int:
         job=config.job,
         segment=segment,
         sidecar=sidecar,
+        emergency_timeout_s=config.emergency_timeout_s,
     )
 
     status, code = "failed", 1
