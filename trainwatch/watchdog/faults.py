@@ -7,6 +7,7 @@ would find the real thing, from slots and stacks.
 from __future__ import annotations
 
 import gc
+import json
 import itertools
 import os
 import signal
@@ -27,6 +28,25 @@ _POINTS = {
     ("hang", "checkpoint"): "step_end",
     ("straggler", None): "data",
 }
+
+
+def mark_fired(f: FaultSpec, rank: int, step: int) -> None:
+    """Record when a fault really began (for detection and recovery latency):
+    one line in the job's control/faults.jsonl, CLOCK_MONOTONIC and wall time."""
+    job, home = os.environ.get("TRAINWATCH_JOB"), os.environ.get("TRAINWATCH_HOME")
+    if not job or not home:
+        return
+    line = json.dumps({"kind": f.kind, "params": f.params, "rank": rank, "step": step,
+                       "mono": time.monotonic(), "wall": time.time()})
+    try:
+        fd = os.open(os.path.join(home, "jobs", job, "control", "faults.jsonl"),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 class Armed:
@@ -52,6 +72,9 @@ class Armed:
                 continue
             if f.kind == "straggler":
                 if self._due(i, f, persistent=True):
+                    if i not in self.fired:
+                        self.fired.add(i)
+                        mark_fired(f, self.tw.rank, self.tw.current_step + 1)
                     delay = float(f.params.get("delay", 0.5))
                     with self.tw.phase("compute"):
                         time.sleep(delay)
@@ -60,12 +83,14 @@ class Armed:
                 continue
             self.fired.add(i)
             self.tw.sample_now()
+            mark_fired(f, self.tw.rank, self.tw.current_step + 1)
             _ACTIONS[(f.kind, f.params.get("where"))](self.tw, f)
 
     def skip_collective(self) -> bool:
         for i, f in enumerate(self.faults):
             if f.kind == "hang" and f.params.get("where") == "collective_skip" and self._due(i, f):
                 self.fired.add(i)
+                mark_fired(f, self.tw.rank, self.tw.current_step + 1)
                 return True
         return False
 
@@ -73,6 +98,7 @@ class Armed:
         for i, f in enumerate(self.faults):
             if f.kind in ("nan", "spike") and self._due(i, f):
                 self.fired.add(i)
+                mark_fired(f, self.tw.rank, self.tw.current_step + 1)
                 if f.kind == "nan":
                     return loss * float("nan")
                 return loss * float(f.params.get("factor", 50.0))

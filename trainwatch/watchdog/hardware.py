@@ -249,6 +249,11 @@ class HardwareMonitor:
             if not len(rows) or int(rows["step"][0]) + 1 < f.get("step", 5):
                 continue
             self.fired.add(i)
+            from trainwatch.watchdog.faults import mark_fired
+            from trainwatch.watchdog.inject import FaultSpec
+
+            mark_fired(FaultSpec(f["kind"], f.get("rank", 1), f.get("step", 5), dict(f.get("params", {}))),
+                       f.get("rank", 1), int(rows["step"][0]) + 1)
             local = int(rows["local_rank"][0])
             gpu = self.gpu_of_local_rank.get(local, local)
             if f["kind"] == "ecc" and self.fake is not None:

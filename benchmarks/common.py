@@ -1,0 +1,77 @@
+"""Shared helpers for the benchmarks: run `trainwatch launch` as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def new_home(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"trainwatch-bench-{prefix}-"))
+
+
+def env_for(home: Path) -> dict:
+    env = dict(os.environ)
+    env.update(TRAINWATCH_HOME=str(home), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def launch(home: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "trainwatch"), "launch", *args], env=env_for(home), cwd=str(ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> str:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    return out or ""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
+def events(home: Path, job: str) -> list[dict]:
+    return read_jsonl(home / "jobs" / job / "events.jsonl")
+
+
+def faults_fired(home: Path, job: str) -> list[dict]:
+    return read_jsonl(home / "jobs" / job / "control" / "faults.jsonl")
+
+
+def job_json(home: Path, job: str) -> dict:
+    try:
+        return json.loads((home / "jobs" / job / "job.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return None

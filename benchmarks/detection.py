@@ -1,0 +1,138 @@
+"""Detection benchmark: the fault matrix, false incidents, watchdog cost.
+
+    python benchmarks/detection.py [--ranks 4] [--timeout 90]
+
+For every fault kind a real 4-rank job of the integrated trainer runs with the
+fault injected inside one rank (alert-only mode). Latency runs from the moment
+the fault really began (recorded by the faulting process, CLOCK_MONOTONIC) to
+the incident (the sidecar's detection time, same clock). Then: a healthy
+200-step run with checkpoints and a slow first step (false incidents), the
+sidecar's CPU use at 8 ranks, and one detector round over 4096 synthetic ranks.
+
+Progress goes to stderr; the LAST stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import psutil
+
+from common import events, faults_fired, job_json, launch, log, new_home, stop, wait_for
+
+CULPRIT = 2
+TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", "100000", "--log-interval", "100000"]
+
+# name -> (inject spec, expected incident kind, what plain torchrun does with the same fault)
+GLOO_TIMEOUT = "hangs until gloo's 30 min collective timeout, then fails with no culprit named"
+FAULTS = {
+    "hang_compute": (f"hang:where=compute,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
+    "hang_gc": (f"hang:where=gc,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
+    "hang_dataloader": (f"hang:where=dataloader,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
+    "hang_checkpoint": (f"hang:where=checkpoint,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
+    "collective_skip": (f"hang:where=collective_skip,rank={CULPRIT},step=8", "collective_mismatch",
+                        "no error: later all_reduces pair with the wrong step's partner (silently wrong values) "
+                        "until a rank exits; then 'Connection closed by peer'"),
+    "crash": (f"crash:rank={CULPRIT},step=8", "crash",
+              "notices the exit within its 0.1 s monitor interval; the peers' gloo errors follow"),
+    "straggler": (f"straggler:delay=0.3,rank={CULPRIT},step=5", "straggler", "nothing: the job just runs slower"),
+    "nan": (f"nan:rank={CULPRIT},step=30", "loss_nan", "nothing: training continues on NaN weights"),
+    "spike": (f"spike:rank={CULPRIT},step=30", "loss_spike", "nothing"),
+    "xid79": (f"xid:code=79,rank={CULPRIT},step=5", "xid", "nothing until the job hangs or crashes"),
+    "ecc": (f"ecc:rank={CULPRIT},step=5", "ecc", "nothing"),
+}
+
+
+def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float) -> dict:
+    home = new_home(name)
+    klog = home / "kern.log"
+    klog.write_text("")
+    proc = launch(home, "--nproc-per-node", str(ranks), "--job", name, "--no-restart", "--inject", spec,
+                  "--kernel-log", str(klog), *TRAINER)
+    try:
+        found = wait_for(lambda: [e for e in events(home, name) if e["kind"] == kind], timeout)
+        fired = faults_fired(home, name)
+    finally:
+        stop(proc)
+    result = {"detected": bool(found), "culprit_ok": False, "latency_s": None}
+    if found:
+        incident = found[0]
+        result["culprit_ok"] = incident["culprit_ranks"] == [CULPRIT]
+        if fired:
+            result["latency_s"] = round(incident["detected_mono"] - fired[0]["mono"], 3)
+        result["summary"] = incident["summary"][:200]
+    return result
+
+
+def healthy_run(ranks: int) -> int:
+    home = new_home("healthy")
+    proc = launch(home, "--nproc-per-node", str(ranks), "--job", "healthy",
+                  "--inject", "hang:where=compute,seconds=3,rank=1,step=1",  # a slow first step on one rank
+                  "-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", "200", "--ckpt-interval", "20",
+                  "--log-interval", "100000")
+    proc.communicate(timeout=600)
+    found = events(home, "healthy")
+    for e in found:
+        log(f"  FALSE incident: {e['kind']}: {e['summary']}")
+    return len(found)
+
+
+def sidecar_cpu_fraction(ranks: int, seconds: float = 20.0) -> float:
+    home = new_home("cpu")
+    proc = launch(home, "--nproc-per-node", str(ranks), "--job", "cpu", *TRAINER)
+    try:
+        # Steady state: once every rank has stepped (start-up imports are not the watchdog's cost).
+        def stepping():
+            try:
+                tel = json.loads((home / "jobs" / "cpu" / "telemetry.json").read_text())["ranks"]
+            except (OSError, ValueError, KeyError):
+                return False
+            return len(tel) == ranks and all(r["step"] >= 3 for r in tel)
+
+        wait_for(stepping, 180)
+        sidecar = psutil.Process(job_json(home, "cpu")["sidecar_pid"])
+        c0, t0 = sum(sidecar.cpu_times()[:2]), time.monotonic()
+        time.sleep(seconds)  # a measurement window, not a synchronisation
+        c1, t1 = sum(sidecar.cpu_times()[:2]), time.monotonic()
+    finally:
+        stop(proc)
+    return (c1 - c0) / (t1 - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for each incident")
+    p.add_argument("--only", nargs="*", help="run only these faults")
+    args = p.parse_args()
+    faults = {}
+    for name, (spec, kind, torchrun) in FAULTS.items():
+        if args.only and name not in args.only:
+            continue
+        log(f"fault {name}: --inject {spec} (expect {kind}) ...")
+        r = run_fault(name, spec, kind, args.ranks, args.timeout)
+        r["torchrun_alone"] = torchrun
+        faults[name] = r
+        log(f"  detected={r['detected']} culprit_ok={r['culprit_ok']} latency={r['latency_s']}s")
+    log("healthy 200-step run (checkpoints every 20 steps, slow first step) ...")
+    false_incidents = healthy_run(args.ranks)
+    log(f"  false incidents: {false_incidents}")
+    log("sidecar CPU at 8 ranks ...")
+    cpu = sidecar_cpu_fraction(8)
+    log(f"  watchdog_cpu_fraction = {cpu:.4f}")
+    from trainwatch.watchdog.engine import benchmark_tick
+
+    tick = benchmark_tick(4096, 50)
+    log(f"  tick_ms_4096_ranks = {tick:.2f}")
+    print(json.dumps({
+        "faults": faults,
+        "false_incidents": false_incidents,
+        "watchdog_cpu_fraction": round(cpu, 4),
+        "tick_ms_4096_ranks": round(tick, 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()

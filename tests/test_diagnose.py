@@ -1,0 +1,113 @@
+"""Verdicts (pure) and `trainwatch diagnose` on finished and unknown jobs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainwatch import state
+from trainwatch.cli import main
+from trainwatch.diagnostics.stacks import StackGroup
+from trainwatch.diagnostics.verdict import decide
+
+
+def row(rank, step=20, phase="backward", idle=8.0, hb=0.1, enq=40, **kw):
+    r = {"rank": rank, "node": "n", "pid": 100 + rank, "step": step, "phase": phase, "step_s": 0.1,
+         "last_progress_s": idle, "heartbeat_age_s": hb, "state": "sleeping",
+         "collectives": {"enqueued": enq, "completed": enq - 1, "last_op": "allreduce"}}
+    r.update(kw)
+    return r
+
+
+def test_healthy_when_steps_advance():
+    v = decide([row(r, idle=0.1) for r in range(4)])
+    assert v.category == "healthy" and v.culprit_ranks == [] and v.runbook == "healthy"
+    assert "steps advancing" in v.summary
+
+
+def test_odd_rank_out_in_data_loading():
+    ranks = [row(0), row(1), row(2, step=19, phase="data", enq=38), row(3)]
+    groups = [
+        StackGroup((0, 1, 3), ("all_reduce (torch/distributed/distributed_c10d.py:2501)",), "collective_wait",
+                   "collective-wait", "MainThread", evidence="all_reduce (distributed_c10d.py)"),
+        StackGroup((2,), ("_try_get_data (torch/utils/data/dataloader.py:1133)",), "dataloader", "dataloader-stall",
+                   "MainThread", evidence="_try_get_data (dataloader.py)"),
+    ]
+    v = decide(ranks, groups)
+    assert v.category == "dataloader" and v.culprit_ranks == [2]
+    assert v.runbook == "dataloader-stall"
+    assert v.confidence >= 0.8
+
+
+def test_heartbeat_stale_rank_holds_the_gil():
+    ranks = [row(0), row(1), row(2, phase="forward", hb=7.0), row(3)]
+    v = decide(ranks)
+    assert v.culprit_ranks == [2] and v.category == "gc_collect"
+    assert any("holds the GIL" in e for e in v.evidence)
+
+
+def test_rank_that_could_not_be_sampled_is_a_prime_suspect():
+    ranks = [row(0), row(1), row(2, phase="forward", capture_error="py-spy timed out after 5s (process state: disk-sleep)"), row(3)]
+    v = decide(ranks)
+    assert v.culprit_ranks == [2]
+
+
+def test_everyone_in_the_same_collective_names_no_culprit():
+    v = decide([row(r) for r in range(4)], [StackGroup((0, 1, 2, 3), ("all_reduce (x.py:1)",), "collective_wait",
+                                                       None, "MainThread", evidence="all_reduce (x.py:1)")])
+    assert v.category == "collective_wait" and v.culprit_ranks == []
+    assert "another node" in v.summary
+
+
+def test_hardware_fault_wins():
+    hw = [{"gpu": 1, "xid": 79, "meaning": "fallen off the bus", "severity": "critical", "rank": 1,
+           "action": "reboot_node", "kind": "xid"}]
+    v = decide([row(r) for r in range(4)], hardware=hw)
+    assert v.category == "xid" and v.culprit_ranks == [1] and v.runbook == "gpu-xid"
+
+
+def test_mismatch_incident_is_the_verdict_until_a_restart():
+    inc = [{"kind": "collective_mismatch", "culprit_ranks": [3], "summary": "rank 3 issued fewer collectives"}]
+    assert decide([row(r, idle=0.1) for r in range(4)], incidents=inc).category == "collective_mismatch"
+    after = inc + [{"kind": "restart", "culprit_ranks": [3]}]
+    assert decide([row(r, idle=0.1) for r in range(4)], incidents=after).category == "healthy"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINWATCH_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_unknown_job_lists_known_jobs(home, capsys):
+    state.make_job_dir("alpha")
+    state.update_job("alpha", status="succeeded", start_time=1.0)
+    assert main(["diagnose", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown job 'nope'") and "alpha" in err and "\n" not in err
+
+
+def test_finished_job_shows_its_last_incident(home, capsys):
+    state.make_job_dir("done")
+    state.update_job("done", status="failed", start_time=1.0, launcher_pid=999999999)
+    state.append_event("done", {"kind": "hang", "culprit_ranks": [1], "summary": "rank 1 stuck",
+                                "verdict": {"category": "checkpoint_io", "culprit_ranks": [1], "summary": "rank 1 in torch.save",
+                                            "runbook": "torch-save", "confidence": 0.8}})
+    assert main(["diagnose", "done", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) >= {"job", "status", "verdict", "ranks", "stack_groups", "hardware", "incidents"}
+    assert report["status"] == "failed"
+    assert report["verdict"]["category"] == "checkpoint_io" and report["verdict"]["culprit_ranks"] == [1]
+    assert report["verdict"]["runbook"] == "torch-save"
+    assert main(["diagnose", "done"]) == 0
+    assert "verdict: checkpoint_io" in capsys.readouterr().out
+
+
+def test_runbook_command(home, capsys):
+    assert main(["runbook"]) == 0
+    listing = capsys.readouterr().out
+    assert "hang" in listing and "gpu-xid" in listing
+    assert main(["runbook", "gpu-xid"]) == 0
+    assert "## Fix" in capsys.readouterr().out
+    assert main(["runbook", "nope"]) == 2

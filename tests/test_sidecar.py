@@ -1,0 +1,116 @@
+"""The sidecar in-process: a real slot segment, ranks simulated by writers,
+an injected clock. Checks the loop's outputs: events.jsonl, console line,
+counters, metrics, OpenTelemetry span; and that one bad round never kills it."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry, generate_latest
+
+from trainwatch import slots, state
+from trainwatch.watchdog import otel
+from trainwatch.watchdog.exporter import TrainwatchCollector
+from trainwatch.watchdog.sidecar import Sidecar
+
+
+class Clock:
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINWATCH_HOME", str(tmp_path / "home"))
+    state.make_job_dir("sc")
+    path = str(tmp_path / "seg")
+    slots.create_segment(path, 4)
+    return path
+
+
+def writers(path, n=4):
+    seg = slots.Segment(path)
+    return [slots.SlotWriter(seg, i, pid=os.getpid(), rank=i, world_size=n, restart=0) for i in range(n)]
+
+
+def publish(ws, step, now, phases, pycoll=None):
+    for i, w in enumerate(ws):
+        w.write_step(step, 2.0, 1.0, 0.5, 0.3, now if phases[i] != "stuck" else now - 30, 0.0,
+                     slots.PHASE_CODES["data" if phases[i] == "stuck" else phases[i]], now,
+                     step if pycoll is None else pycoll)
+        w.write_sampler(now, True, step, [slots.CollectiveGroup(0, step, step, "allreduce")])
+
+
+def test_hang_is_one_incident_with_outputs(job):
+    clock = Clock(1000.0)
+    out = io.StringIO()
+    sc = Sidecar("sc", job, node="n0", clock=clock, out=out)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=otel.resource("sc", "n0"))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    sc.tracer = otel.IncidentTracer(provider)
+    ws = writers(job)
+    for step in range(1, 30):  # a healthy history: 0.5 s steps
+        clock.t = 1000.0 + step * 0.5
+        publish(ws, step, clock.t, ["backward"] * 4)
+        assert sc.tick() == []
+    # rank 2 stops in data loading at step 29; the others wait in backward
+    t_stop = clock.t
+    for k in range(1, 80):
+        clock.t = t_stop + k * 0.1
+        for i, w in enumerate(ws):
+            w.write_sampler(clock.t, True, 29, [slots.CollectiveGroup(0, 29, 29, "allreduce")])
+        if k == 1:
+            ws[2].write_step(29, 2.0, 1.0, 0.5, 0.3, t_stop, 0.0, slots.PHASE_CODES["data"], t_stop, 29)
+        sc.tick()
+    found = list(state.read_events("sc"))
+    assert [e["kind"] for e in found] == ["hang"]
+    assert found[0]["culprit_ranks"] == [2] and found[0]["victims"] == [0, 1, 3]
+    assert out.getvalue().count("INCIDENT hang culprit rank(s) 2") == 1
+    assert sc.incident_counts == {"hang": 1}
+    [span] = exporter.get_finished_spans()
+    assert span.name == "trainwatch.incident.hang"
+    registry = CollectorRegistry()
+    registry.register(TrainwatchCollector(sc))
+    text = generate_latest(registry).decode()
+    assert 'trainwatch_incidents_total{job="sc",kind="hang",node="n0"} 1.0' in text
+    assert 'trainwatch_step{job="sc",node="n0",rank="2"} 29.0' in text
+    assert "trainwatch_step_duration_seconds_bucket" in text
+
+
+def test_a_failing_round_never_ends_the_loop(job):
+    sc = Sidecar("sc", job, node="n0", out=io.StringIO())
+    calls = []
+
+    def bad_tick():
+        calls.append(1)
+        if len(calls) == 2:
+            stop.set()
+        raise RuntimeError("odd slot")
+
+    sc.tick = bad_tick
+    stop = threading.Event()
+    sc.run(stop, interval_s=0.001)
+    assert len(calls) >= 2
+
+
+def test_snapshot_is_written(job):
+    clock = Clock(50.0)
+    sc = Sidecar("sc", job, node="n0", clock=clock, out=io.StringIO())
+    ws = writers(job)
+    publish(ws, 7, 49.5, ["forward"] * 4)
+    sc.tick()
+    sc.write_snapshot()
+    snap = json.loads((state.job_dir("sc") / "telemetry.json").read_text())
+    assert [(r["rank"], r["step"], r["phase"]) for r in snap["ranks"]] == [(i, 7, "forward") for i in range(4)]
+    assert snap["ranks"][0]["last_progress_s"] == 0.5
