@@ -68,6 +68,26 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     assert "Traceback" not in r.stdout + r.stderr
 
 
+def test_trainer_bad_input_is_checked_before_any_rank_starts(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    corrupt = tmp_path / "step-00000005"
+    corrupt.mkdir()
+    (corrupt / "state.pt").write_bytes(b"not a checkpoint")
+    for args, needle in [
+        (["--ckpt-dir", str(blocker / "sub")], "ckpt-dir"),
+        (["--resume", str(corrupt)], "--resume"),
+        (["--max-steps", "0"], "--max-steps"),
+        (["--model-size", "huge"], "--model-size"),
+    ]:
+        r = trainwatch(tmp_path, "launch", "--nproc-per-node", "2", "-m", "trainwatch.trainer", *args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], (args, r.stderr)
+        assert "Traceback" not in r.stdout + r.stderr
+    assert blocker.read_text() == "x" and (corrupt / "state.pt").read_bytes() == b"not a checkpoint"
+
+
 def test_unwritable_home_is_one_line_exit_2(tmp_path):
     home = tmp_path / "home"
     home.write_text("a file, not a directory")

@@ -172,6 +172,13 @@ def _check_trainer_args(argv: list[str]) -> None:
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
     try:
         cfg = resolve(cfg)
+        if cfg.resume not in ("auto", "never"):
+            from trainwatch.trainer.checkpoint import CheckpointError, verify_checkpoint
+
+            try:
+                verify_checkpoint(cfg.resume)
+            except (CheckpointError, OSError) as e:
+                raise LaunchError(f"--resume {cfg.resume}: {e}; pass a valid checkpoint, or --resume auto") from None
         if cfg.ckpt_dir:
             from trainwatch.trainer.checkpoint import CheckpointError, ensure_writable
 
