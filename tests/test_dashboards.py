@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import requests
 
-from util import ROOT, SCRIPTS, env_for, job_json, wait_for
+from util import ROOT, running_plain_job, wait_for
 
 DASHBOARDS = ROOT / "dashboards"
 PROMETHEUS = shutil.which("prometheus")
@@ -237,45 +234,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
-    """SIGTERM the launcher (it stops its ranks and sidecar), then SIGKILL
-    whatever is left in its process group."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 @pytest.fixture(scope="module")
 def live_job(tmp_path_factory):
     """A real 2-rank `trainwatch launch` of an unmodified DDP script; yields
     (TRAINWATCH_HOME, job.json) once the exporter address is recorded."""
     home = tmp_path_factory.mktemp("twhome")
-    log_path = home.parent / "launch.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "trainwatch"), "launch", "--nproc-per-node", "2", "--metrics-port", "0",
-             "--job", JOB, str(SCRIPTS / "plain_ddp.py"), "--steps", "100000", "--sleep", "0.05"],
-            env=env_for(home), stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True,
-        )
-    try:
-        def recorded():
-            if proc.poll() is not None:
-                raise AssertionError(f"launch exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            job = job_json(home, JOB)
-            return job if job and job.get("metrics") else None
-
-        job = wait_for(recorded, 120, interval=0.2, what="the metrics address in job.json")
+    with running_plain_job(home, JOB) as job:
         yield home, job
-    finally:
-        stop_group(proc)
 
 
 @pytest.fixture(scope="module")

@@ -697,3 +697,32 @@ def test_registry_builds_every_detector_once():
         default_detectors(DetectorsConfig(disabled=("nope",)))
     custom = default_detectors(DetectorsConfig(hang=HangConfig(floor_s=9.0)))
     assert next(d for d in custom if d.name == "hang").config.floor_s == 9.0
+
+
+def test_loss_nan_waits_for_the_source_rank_to_publish():
+    """DDP spreads one rank's NaN into everyone's grad norm; a tick that sees the
+    victims' step before the source's must not blame the victims."""
+    det = LossHealthDetector()
+    t = make_table(4, now=10.0, step=29)
+    for s in range(1, 30):
+        set_rows(t, [0, 1, 2, 3], step=s, loss=5.0, grad_norm=1.0)
+        det.check(view(t, 10.0 + s * 0.1))
+    set_rows(t, [0, 1, 3], step=30, grad_norm=float("nan"))  # rank 2 still at 29
+    assert det.check(view(t, 13.1)) == []
+    set_rows(t, 2, step=30, loss=float("nan"), grad_norm=float("nan"))
+    [inc] = det.check(view(t, 13.2))
+    assert inc.culprit_ranks == [2] and inc.victims == [0, 1, 3]
+
+
+def test_exit_seen_first_by_the_launcher_is_the_culprit():
+    """Peers that fail on their own right after (gloo errors, exit code 1) are
+    consequences of the rank the launcher saw die first."""
+    det = ExitDetector()
+    exits = [
+        RankExit(rank=2, local_rank=2, pid=12, exitcode=-9, signal_name="SIGKILL", node="n", first=True),
+        RankExit(rank=0, local_rank=0, pid=10, exitcode=1, node="n"),
+        RankExit(rank=1, local_rank=1, pid=11, exitcode=1, node="n"),
+        RankExit(rank=3, local_rank=3, pid=13, exitcode=-15, signal_name="SIGTERM", node="n"),
+    ]
+    [inc] = det.check(TickView.from_table(5.0, make_table(4), exits=exits))
+    assert inc.culprit_ranks == [2] and inc.victims == [0, 1, 3]

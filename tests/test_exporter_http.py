@@ -3,18 +3,13 @@ real 2-rank `trainwatch launch`, parsed with prometheus_client's own parser."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import psutil
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from util import ROOT, SCRIPTS, env_for, job_json, wait_for
+from util import running_plain_job, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -25,36 +20,8 @@ RANKS = {"0", "1"}
 @pytest.fixture(scope="module")
 def live_job(tmp_path_factory):
     """Yields job.json of a running 2-rank job once its exporter address is recorded."""
-    home = tmp_path_factory.mktemp("twhome")
-    log_path = home.parent / "launch.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "trainwatch"), "launch", "--nproc-per-node", "2", "--metrics-port", "0",
-             "--job", JOB, str(SCRIPTS / "plain_ddp.py"), "--steps", "100000", "--sleep", "0.05"],
-            env=env_for(home), stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True,
-        )
-    try:
-        def recorded():
-            if proc.poll() is not None:
-                raise AssertionError(f"launch exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            job = job_json(home, JOB)
-            return job if job and job.get("metrics") else None
-
-        yield wait_for(recorded, 120, interval=0.2, what="the metrics address in job.json")
-    finally:
-        # The launcher stops its ranks and sidecar on SIGTERM; SIGKILL the
-        # process group afterwards so nothing outlives the test.
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    with running_plain_job(tmp_path_factory.mktemp("twhome"), JOB) as job:
+        yield job
 
 
 def scrape(address: str) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -73,3 +74,45 @@ def events(home: Path, job: str) -> list[dict]:
     except OSError:
         return []
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM the launcher (it stops its ranks and sidecar), then SIGKILL
+    whatever is left in its process group so nothing outlives a test."""
+    import os
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@contextlib.contextmanager
+def running_plain_job(home: Path, job: str):
+    """A real 2-rank `trainwatch launch` of the unmodified DDP script, running
+    until the block ends; yields job.json once the exporter address is recorded."""
+    log_path = home.parent / f"{job}-launch.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(BIN / "trainwatch"), "launch", "--nproc-per-node", "2", "--metrics-port", "0", "--job", job,
+             str(SCRIPTS / "plain_ddp.py"), "--steps", "100000", "--sleep", "0.05"],
+            env=env_for(home), stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True,
+        )
+    try:
+        def recorded():
+            if proc.poll() is not None:
+                raise AssertionError(f"launch exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            rec = job_json(home, job)
+            return rec if rec and rec.get("metrics") else None
+
+        yield wait_for(recorded, 120, interval=0.2, what="the metrics address in job.json")
+    finally:
+        stop_group(proc)

@@ -76,6 +76,8 @@ class EmergencyCheckpointer:
         self._done_request = 0
         self._stream = None
         self.last_written: str | None = None
+        self._written_step = -1
+        self._write_lock = threading.Lock()
 
     # ---- training thread ------------------------------------------------------------
 
@@ -124,7 +126,15 @@ class EmergencyCheckpointer:
         return self._steps[self._current] if self._current >= 0 else -1
 
     def write(self, reason: str) -> str | None:
-        """Write the newest staged state; returns the checkpoint path or None."""
+        """Write the newest staged state; returns the checkpoint path or None.
+        The watchdog's request (background thread) and a dying training thread
+        may both ask at once: one writes, the other gets its result."""
+        with self._write_lock:
+            if self.last_written is not None and self._written_step == self.staged_step:
+                return self.last_written
+            return self._write(reason)
+
+    def _write(self, reason: str) -> str | None:
         from trainwatch.trainer.checkpoint import save_checkpoint
 
         with self._lock:
@@ -143,6 +153,7 @@ class EmergencyCheckpointer:
                 fault_point=lambda: self.tw.fault_point("emergency_write"),
             )
             self.last_written = str(path)
+            self._written_step = step
             print(
                 f"[trainwatch] rank {self.tw.rank}: emergency checkpoint of step {step} written in "
                 f"{time.monotonic() - t0:.2f}s ({reason}): {path}",

@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch

@@ -46,7 +46,7 @@ _SEVERITY = {"info": 0, "low": 1, "medium": 2, "high": 3, "critical": 4}
 
 
 def request_emergency_checkpoint(segment: slots.Segment, timeout_s: float, *, local_ranks: list[int] | None = None,
-                                 clock=time.monotonic, poll_s: float = 0.05) -> dict:
+                                 alive=None, clock=time.monotonic, poll_s: float = 0.05) -> dict:
     """Ask ranks (through their slots) to write their staged state; wait up to timeout_s.
 
     Returns which ranks wrote (and the step), which did not and why. A rank
@@ -71,7 +71,12 @@ def request_emergency_checkpoint(segment: slots.Segment, timeout_s: float, *, lo
     failed: dict[int, str] = {}
     while pending and clock() - start < timeout_s:
         for i in sorted(pending):
+            gone = alive is not None and not alive(i)  # checked first: a write it finished still counts
             _req, done, status, step = segment.read_control(i)
+            if gone and not (done == wanted[i] and status in (slots.CKPT_OK, slots.CKPT_FAILED)):
+                pending.discard(i)
+                failed[int(table["rank"][i])] = "exited before writing"
+                continue
             if done == wanted[i] and status in (slots.CKPT_OK, slots.CKPT_FAILED):
                 pending.discard(i)
                 rank = int(table["rank"][i])
@@ -134,7 +139,7 @@ class IncidentActions:
         from trainwatch.diagnostics.verdict import decide
 
         t0 = time.monotonic()
-        table = sidecar.read()
+        sidecar.read()
         rows = sidecar.snapshot()
         pids = {int(r["rank"]): int(r["pid"]) for r in rows}
         out_dir = capture_dir(sidecar.job_dir, str(record.get("kind")))

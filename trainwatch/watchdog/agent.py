@@ -40,6 +40,7 @@ class TrainwatchAgent(LocalElasticAgent):
         self.max_backoff_s = 30.0
         self.emergency_timeout_s = emergency_timeout_s
         self._survivors_saved = -1
+        self._first_failed: set[int] = set()
 
     # ---- worker lifecycle ---------------------------------------------------------
 
@@ -128,6 +129,7 @@ class TrainwatchAgent(LocalElasticAgent):
                     "signal_name": signal_name,
                     "node": self.node,
                     "time": time.time(),
+                    "first": (worker.local_rank if worker else failure.local_rank) in self._first_failed,
                 }
             )
         with open(self._exit_file, "a") as f:
@@ -149,12 +151,18 @@ class TrainwatchAgent(LocalElasticAgent):
         if not any(code not in (None, 0) for code in codes.values()):
             return
         self._survivors_saved = self.restart_count
+        # Dead while the others still run: the root cause, whatever follows.
+        self._first_failed = {lr for lr, code in codes.items() if code not in (None, 0)}
         alive = [lr for lr, code in codes.items() if code is None]
         if not alive:
             return
         from trainwatch.watchdog.actions import request_emergency_checkpoint
 
-        result = request_emergency_checkpoint(self.segment, self.emergency_timeout_s, local_ranks=alive)
+        def running(local_rank: int) -> bool:
+            return handlers[local_rank].proc.poll() is None
+
+        result = request_emergency_checkpoint(self.segment, self.emergency_timeout_s, local_ranks=alive,
+                                              alive=running)
         self._on_event("survivors_checkpointed", result)
 
     def _take_restart_request(self) -> dict | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+
 
 
 class FakeNvmlError(Exception):

@@ -9,7 +9,6 @@ With no script it runs the integrated trainer's default job.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -281,7 +280,6 @@ def launch(argv: list[str]) -> int:
         raise LaunchError(str(e)) from None
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig  # noqa: F401  (import check)
     from torch.distributed.run import config_from_args
 
     from trainwatch import slots

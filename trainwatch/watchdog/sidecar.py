@@ -278,6 +278,7 @@ class Sidecar:
                         exitcode=e.get("exitcode"),
                         signal_name=e.get("signal_name"),
                         node=e.get("node", self.node),
+                        first=bool(e.get("first")),
                     )
                     for e in exits
                 ],

@@ -48,6 +48,8 @@ class RankExit:
     """'SIGSEGV' etc. when killed by a signal, else None."""
     node: str = ""
     """Node label of the rank."""
+    first: bool = False
+    """True when the launcher saw this rank dead while its peers still ran: the root cause."""
 
     @classmethod
     def from_exitcode(cls, *, rank: int, local_rank: int, pid: int, exitcode: int, node: str = "") -> RankExit:

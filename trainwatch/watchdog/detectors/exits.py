@@ -40,7 +40,11 @@ class ExitDetector(Detector):
             return []
         teardown = [e for e in failed if e.signal_name in self.config.teardown_signals]
         primary = [e for e in failed if e.signal_name not in self.config.teardown_signals]
-        if not primary and len({e.signal_name for e in teardown}) > 1:
+        if any(e.first for e in failed):
+            # The launcher saw these die while their peers still ran.
+            primary = [e for e in failed if e.first]
+            teardown = [e for e in failed if not e.first]
+        elif not primary and len({e.signal_name for e in teardown}) > 1:
             # One batch with SIGKILL and SIGTERM: the launcher SIGTERMs the
             # survivors, so the odd one out is the fault.
             stop = self.config.teardown_signals[0]

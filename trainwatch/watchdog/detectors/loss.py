@@ -51,6 +51,10 @@ class LossHealthConfig:
     """An explosion exceeds this multiple of the rank's median grad norm (factor)."""
 
 
+_SOURCE_GRACE_S = 2.0
+"""How long a grad-only NaN waits for a lagging rank to publish its own (NaN) loss (s)."""
+
+
 class LossHealthDetector(Detector):
     """Reports `loss_nan`, `loss_spike` and `grad_explosion`."""
 
@@ -61,6 +65,7 @@ class LossHealthDetector(Detector):
         self._steps = StepTracker()
         self._loss = RankRing(self.config.history)
         self._grad = RankRing(self.config.history)
+        self._grad_only_since: float | None = None
         # A slot holds NaN for "not reported": a NaN only counts as a fault
         # from a rank that has reported a finite value before (Inf always does).
         self._seen_loss = np.zeros(0, dtype=bool)
@@ -164,6 +169,16 @@ class LossHealthDetector(Detector):
         if not (bad_loss.any() or bad_grad.any()):
             return None
         step = int(t["step"][bad_loss | bad_grad].max())
+        if not bad_loss.any() and (t["step"][started] < step).any():
+            # Grad norms are all-reduced: every rank sees NaN once one rank's loss
+            # went bad. If some rank has not published that step yet, it may be
+            # the source: give it a moment before blaming the grads alone.
+            if self._grad_only_since is None:
+                self._grad_only_since = view.now
+            if view.now - self._grad_only_since < _SOURCE_GRACE_S:
+                return None
+        else:
+            self._grad_only_since = None
         if bad_loss.any():
             # The rank whose own loss went bad is the source; in data parallel
             # training the all-reduce then spreads NaN into every rank's grads.
