@@ -144,7 +144,7 @@ def test_api_records_into_slot(tmp_path, monkeypatch):
         pass
     tw.step(loss=2.5, grad_norm=1.5)
     s = seg.read(1)
-    assert (s.step, s.loss, s.grad_norm, s.phase) == (1, 2.5, 1.5, "init")
+    assert (s.step, s.loss, s.grad_norm, s.phase) == (1, 2.5, 1.5, "compute")  # past start-up
     assert s.step_s >= 0 and not math.isnan(s.compute_s) and s.compute_s <= s.step_s
     tw.step(step=10)
     assert seg.read(1).step == 10

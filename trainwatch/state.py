@@ -74,13 +74,20 @@ def make_job_dir(job: str) -> Path:
     return d
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
+    """Replace path with data. durable=False skips the fsync (and the pretty
+    printing): for snapshots rewritten every few seconds, where a crash may
+    lose the last one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    payload = json.dumps(data, indent=2, sort_keys=True, default=str)
+    if durable:
+        payload = json.dumps(data, indent=2, sort_keys=True, default=str)
+    else:
+        payload = json.dumps(data, separators=(",", ":"), default=str)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, payload.encode())
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)

@@ -128,6 +128,10 @@ class Telemetry:
         elif self._wait_s:
             self._compute_s = step_s - self._wait_s if step_s > self._wait_s else 0.0
         self._wait_s = 0.0
+        if self._phase == _INIT:
+            # A rank that finished a step is past start-up: time outside any
+            # phase from now on is plain compute, not the lenient "init".
+            self._phase, self._phase_name = _COMPUTE, "compute"
         self._writer.write_fast(n, self._loss, self._grad_norm, step_s, self._compute_s, now, self._start,
                                 self._phase, self._phase_since, self.py_collectives)
         if self._hooks:
@@ -294,6 +298,8 @@ class _PhaseScope:
 
 
 _monotonic = time.monotonic
+_INIT = slots.PHASE_CODES["init"]
+_COMPUTE = slots.PHASE_CODES["compute"]
 
 
 class FlightRecorderReader:
