@@ -726,3 +726,34 @@ def test_exit_seen_first_by_the_launcher_is_the_culprit():
     ]
     [inc] = det.check(TickView.from_table(5.0, make_table(4), exits=exits))
     assert inc.culprit_ranks == [2] and inc.victims == [0, 1, 3]
+
+
+def test_spike_between_two_reads_is_not_lost():
+    """Steps faster than the sidecar's reads: the spike at step 30 was already
+    overwritten by step 31's normal loss, but the rank kept it as its peak."""
+    det = LossHealthDetector()
+    t = make_table(4, now=10.0, step=1)
+    for s in range(1, 30):
+        set_rows(t, [0, 1, 2, 3], step=s, loss=5.0 - 0.01 * s, grad_norm=1.0)
+        det.check(view(t, 10.0 + s * 0.1))
+    set_rows(t, [0, 1, 2, 3], step=31, loss=4.7)
+    t["peak_loss"][2], t["peak_loss_step"][2] = 235.0, 30
+    found = det.check(view(t, 13.2))
+    [inc] = [i for i in found if i.kind == "loss_spike"]
+    assert inc.culprit_ranks == [2]
+    assert inc.evidence["spikes"][2]["step"] == 30
+
+
+def test_nan_source_is_the_rank_that_went_bad_first():
+    det = LossHealthDetector()
+    t = make_table(4, now=10.0, step=1)
+    for s in range(1, 30):
+        set_rows(t, [0, 1, 2, 3], step=s, loss=5.0, grad_norm=1.0)
+        det.check(view(t, 10.0 + s * 0.1))
+    # read after NaN reached everyone: rank 2's came at step 30, the others' at 31
+    nan = float("nan")
+    set_rows(t, [0, 1, 2, 3], step=31, loss=nan, grad_norm=nan)
+    t["peak_loss"][:] = nan
+    t["peak_loss_step"][:] = [31, 31, 30, 31]
+    [inc] = [i for i in det.check(view(t, 13.2)) if i.kind == "loss_nan"]
+    assert inc.culprit_ranks == [2] and inc.victims == [0, 1, 3]

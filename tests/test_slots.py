@@ -151,3 +151,25 @@ def test_api_records_into_slot(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown phase"):
         with tw.phase("bogus"):
             pass
+
+
+def test_rank_keeps_its_worst_loss_until_the_sidecar_reads(tmp_path):
+    from trainwatch.trainer import api
+
+    path = str(tmp_path / "seg")
+    slots.create_segment(path, 1)
+    seg = slots.Segment(path)
+    tw = api.Telemetry(seg, 0, rank=0, world_size=1, restart=0, attached=True)
+    seg.acknowledge_read(1)
+    for loss in (3.0, 90.0, 2.9):
+        tw.step(loss=loss, grad_norm=1.0)
+    row = seg.read_table()[0]
+    assert (row["loss"], row["peak_loss"], row["peak_loss_step"]) == (2.9, 90.0, 2)
+    seg.acknowledge_read(2)  # read: a new window starts with the next step
+    tw.step(loss=2.8, grad_norm=1.0)
+    row = seg.read_table()[0]
+    assert (row["peak_loss"], row["peak_loss_step"]) == (2.8, 4)
+    tw.step(loss=float("nan"), grad_norm=1.0)
+    tw.step(loss=2.7, grad_norm=1.0)
+    row = seg.read_table()[0]
+    assert math.isnan(row["peak_loss"]) and row["peak_loss_step"] == 5  # NaN sticks within a window

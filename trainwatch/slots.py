@@ -25,7 +25,7 @@ import struct
 from dataclasses import dataclass, field
 
 MAGIC = b"TWSLOT01"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER = struct.Struct("<8sIII")  # magic, version, nslots, slot_size
 HEADER_SIZE = 64
 SLOT_SIZE = 512
@@ -58,7 +58,7 @@ A_BODY = struct.Struct("<qiiiiqddddddiidq")
 A_OFF = 0
 A_BODY_OFF = A_OFF + SEQ.size
 # Hot-path sub-structs of region A (the identity fields are written once).
-A_DYN = struct.Struct("<qddddddiidq")  # step .. py_collectives
+A_DYN = struct.Struct("<qddddddiidqdqdq")  # step .. py_collectives, then the peaks
 A_DYN_OFF = A_BODY_OFF + 24
 A_PHASE = struct.Struct("<iidq")  # phase, pad, phase_mono, py_collectives
 A_PHASE_OFF = A_BODY_OFF + 80
@@ -68,9 +68,13 @@ B_HEAD = struct.Struct("<diiq")
 B_HEAD_OFF = B_OFF + SEQ.size
 GROUP = struct.Struct("<iiqq16s")  # pg id, pad, enqueued, completed, last op
 B_GROUPS_OFF = B_HEAD_OFF + B_HEAD.size
-# Region C: ckpt_request, ckpt_done, ckpt_status, pad, ckpt_step
+# Region C: ckpt_request, ckpt_done, ckpt_status, pad, ckpt_step, then read_ack
 C_OFF = 384
 CONTROL = struct.Struct("<QQiiq")
+# The sidecar bumps read_ack after every read; the rank keeps the worst loss and
+# grad norm (and their steps) seen since the last bump. A one-step spike shorter
+# than the sidecar's read interval is thus never lost to sampling.
+ACK_OFF = C_OFF + CONTROL.size
 
 CKPT_IDLE, CKPT_WRITING, CKPT_OK, CKPT_FAILED = 0, 1, 2, 3
 
@@ -96,6 +100,9 @@ def _numpy_dtype():
         ("groups", (group, (MAX_GROUPS,)), B_GROUPS_OFF),
         ("ckpt_request", "<u8", C_OFF), ("ckpt_done", "<u8", C_OFF + 8), ("ckpt_status", "<i4", C_OFF + 16),
         ("ckpt_step", "<i8", C_OFF + 24),
+        ("peak_loss", "<f8", A_DYN_OFF + 80), ("peak_loss_step", "<i8", A_DYN_OFF + 88),
+        ("peak_grad", "<f8", A_DYN_OFF + 96), ("peak_grad_step", "<i8", A_DYN_OFF + 104),
+        ("read_ack", "<u8", ACK_OFF),
     ]
     return np.dtype(
         {"names": [f[0] for f in fields], "formats": [f[1] for f in fields],
@@ -114,7 +121,8 @@ def slot_dtype():
 
 assert A_BODY_OFF + A_BODY.size <= B_OFF
 assert B_GROUPS_OFF + MAX_GROUPS * GROUP.size <= C_OFF
-assert C_OFF + CONTROL.size <= SLOT_SIZE
+assert A_DYN_OFF + A_DYN.size <= B_OFF
+assert ACK_OFF + 8 <= SLOT_SIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +163,10 @@ class RankSnapshot:
     sampled_step: int
     groups: tuple[CollectiveGroup, ...] = field(default_factory=tuple)
     node: str = ""
+    peak_loss: float = math.nan
+    """Worst loss since the sidecar's previous read (see ACK_OFF)."""
+    peak_loss_step: int = 0
+    """Step of peak_loss; 0 when none was reported."""
 
     @property
     def alive(self) -> bool:
@@ -200,6 +212,8 @@ class Segment:
             raise ValueError(f"{path} has an unknown slot layout (magic={magic!r}, version={version})")
         self.nslots = nslots
         self.buf = memoryview(self._mm)
+        self._ack_idx = None
+        self._words = None
 
     def offset(self, index: int) -> int:
         if not 0 <= index < self.nslots:
@@ -207,6 +221,7 @@ class Segment:
         return HEADER_SIZE + index * SLOT_SIZE
 
     def close(self) -> None:
+        self._words = None
         try:
             self.buf.release()
             self._mm.close()
@@ -243,6 +258,7 @@ class Segment:
         pid = a[0]
         if pid == 0:
             return None
+        peak_loss, peak_loss_step = struct.unpack_from("<dq", buf, base + A_DYN_OFF + 80)
         phase_code = a[12]
         return RankSnapshot(
             local_rank=a[2],
@@ -267,6 +283,8 @@ class Segment:
                 CollectiveGroup(g[0], g[2], g[3], g[4].rstrip(b"\0").decode("ascii", "replace"))
                 for g in groups
             ),
+            peak_loss=peak_loss,
+            peak_loss_step=peak_loss_step,
         )
 
     def read_table(self, retries: int = 16, previous=None):
@@ -309,6 +327,15 @@ class Segment:
         """(request id, done id, status, step) of the emergency-checkpoint channel."""
         req, done, status, _pad, step = CONTROL.unpack_from(self.buf, self.offset(index) + C_OFF)
         return req, done, status, step
+
+    def acknowledge_read(self, counter: int) -> None:
+        """Tell every rank its slot was read (they restart their peak windows)."""
+        import numpy as np
+
+        if self._ack_idx is None:
+            self._ack_idx = np.array([(self.offset(i) + ACK_OFF) // 8 for i in range(self.nslots)])
+            self._words = np.frombuffer(self.buf, dtype="<u8")
+        self._words[self._ack_idx] = counter
 
     def request_checkpoint(self, index: int, request_id: int) -> None:
         struct.pack_into("<Q", self.buf, self.offset(index) + C_OFF, request_id)
@@ -354,14 +381,15 @@ class SlotWriter:
         self._ph_off = self._base + A_PHASE_OFF
 
     def write_fast(self, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono, phase, phase_mono,
-                   py_collectives) -> None:
+                   py_collectives, peak_loss=math.nan, peak_loss_step=0, peak_grad=math.nan,
+                   peak_grad_step=0) -> None:
         """write_step without the identity fields (written once by write_step):
         the per-step call, kept to three struct writes."""
         seq = self._seq_a + 1
         q = self._q
         q[self._qa] = seq
         self._dyn(self._buf, self._dyn_off, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono,
-                  phase, 0, phase_mono, py_collectives)
+                  phase, 0, phase_mono, py_collectives, peak_loss, peak_loss_step, peak_grad, peak_grad_step)
         self._seq_a = seq + 1
         q[self._qa] = seq + 1
 

@@ -92,6 +92,10 @@ class Telemetry:
         self._hooks: list[Callable[[int], None]] = []
         self._emergency: Any = None
         self._scopes: dict[str, _PhaseScope] = {}
+        self._words = segment.buf.cast("Q")
+        self._ack_word = (segment.offset(index) + slots.ACK_OFF) // 8
+        self._ack = -1
+        self._pl, self._pls, self._pg, self._pgs = math.nan, 0, math.nan, 0
         self._publish()
 
     # ---- step path ----------------------------------------------------------
@@ -132,8 +136,21 @@ class Telemetry:
             # A rank that finished a step is past start-up: time outside any
             # phase from now on is plain compute, not the lenient "init".
             self._phase, self._phase_name = _COMPUTE, "compute"
+        # Worst values since the sidecar last read the slot (NaN sticks).
+        ack = self._words[self._ack_word]
+        if ack != self._ack:
+            self._ack = ack
+            self._pl, self._pls, self._pg, self._pgs = self._loss, n, self._grad_norm, n
+        else:
+            pk = self._pl
+            if pk == pk and not (self._loss <= pk):
+                self._pl, self._pls = self._loss, n
+            pk = self._pg
+            if pk == pk and not (self._grad_norm <= pk):
+                self._pg, self._pgs = self._grad_norm, n
         self._writer.write_fast(n, self._loss, self._grad_norm, step_s, self._compute_s, now, self._start,
-                                self._phase, self._phase_since, self.py_collectives)
+                                self._phase, self._phase_since, self.py_collectives,
+                                self._pl, self._pls, self._pg, self._pgs)
         if self._hooks:
             for hook in self._hooks:
                 hook(n)

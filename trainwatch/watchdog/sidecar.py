@@ -63,6 +63,7 @@ class Sidecar:
         self.job_dir = state.job_dir(job)
         self.last_table = None
         self._full_table = None
+        self._reads = 0
         self._restart_seen = 0
         self._last_step = 0
         self._fault: dict | None = None
@@ -116,6 +117,8 @@ class Sidecar:
     def read(self):
         table = self.segment.read_table(previous=self._full_table)
         self._full_table = table
+        self._reads += 1
+        self.segment.acknowledge_read(self._reads)
         live = table[table["pid"] > 0]
         if len(live):
             self._track_restarts(live)

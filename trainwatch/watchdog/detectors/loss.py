@@ -51,6 +51,23 @@ class LossHealthConfig:
     """An explosion exceeds this multiple of the rank's median grad norm (factor)."""
 
 
+def _worst(t: np.ndarray, rows: np.ndarray, field: str, peak: str, peak_step: str,
+           *, nan_wins: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the worst value since the sidecar's previous read (the rank keeps
+    it, so a one-step spike between two reads is not lost) and its step; the
+    current value and step where the rank reports no peak."""
+    cur, step = t[field][rows], t["step"][rows]
+    if peak not in (t.dtype.names or ()):
+        return cur, step
+    pk, at = t[peak][rows], t[peak_step][rows]
+    has = at > 0
+    if nan_wins:
+        use = has & (~np.isfinite(pk) | (pk > cur))
+    else:
+        use = has & np.isfinite(pk) & ~(pk <= cur)
+    return np.where(use, pk, cur), np.where(use, at, step)
+
+
 _SOURCE_GRACE_S = 2.0
 """How long a grad-only NaN waits for a lagging rank to publish its own (NaN) loss (s)."""
 
@@ -115,7 +132,7 @@ class LossHealthDetector(Detector):
     def _judge_loss(self, t: np.ndarray, rows: np.ndarray) -> None:
         cfg = self.config
         r = t["rank"][rows]
-        loss = t["loss"][rows]
+        loss, at = _worst(t, rows, "loss", "peak_loss", "peak_loss_step")
         finite = np.isfinite(loss)
         self._seen_loss[r[finite]] = True
         self._spiking[r] = False
@@ -134,7 +151,7 @@ class LossHealthDetector(Detector):
                 if spike.any():
                     hit = rp[spike]
                     self._spiking[hit] = True
-                    steps = t["step"][rows][cand][pre][spike]
+                    steps = at[cand][pre][spike]
                     self._spike[hit] = np.column_stack([steps, lp[spike], med[spike], mad[spike]])
         # Record after judging: a spike must not raise its own baseline.
         self._loss.push(r[finite], loss[finite])
@@ -142,7 +159,7 @@ class LossHealthDetector(Detector):
     def _judge_grad(self, t: np.ndarray, rows: np.ndarray) -> None:
         cfg = self.config
         r = t["rank"][rows]
-        grad = t["grad_norm"][rows]
+        grad, at = _worst(t, rows, "grad_norm", "peak_grad", "peak_grad_step")
         finite = np.isfinite(grad)
         self._seen_grad[r[finite]] = True
         self._exploding[r] = False
@@ -155,7 +172,7 @@ class LossHealthDetector(Detector):
             if boom.any():
                 hit = rc[boom]
                 self._exploding[hit] = True
-                steps = t["step"][rows][cand][boom]
+                steps = at[cand][boom]
                 self._explode[hit] = np.column_stack([steps, gc[boom], med[boom]])
         self._grad.push(r[finite], grad[finite])
 
@@ -163,11 +180,19 @@ class LossHealthDetector(Detector):
         t = view.table
         ranks = t["rank"]
         started = t["step"] >= 1
-        loss, grad = t["loss"], t["grad_norm"]
+        all_rows = np.arange(len(t))
+        loss, loss_at = _worst(t, all_rows, "loss", "peak_loss", "peak_loss_step", nan_wins=True)
+        grad, _grad_at = _worst(t, all_rows, "grad_norm", "peak_grad", "peak_grad_step", nan_wins=True)
         bad_loss = started & ~np.isfinite(loss) & (self._seen_loss[ranks] | np.isinf(loss))
         bad_grad = started & ~np.isfinite(grad) & (self._seen_grad[ranks] | np.isinf(grad))
         if not (bad_loss.any() or bad_grad.any()):
             return None
+        if bad_loss.sum() > 1:
+            # In data parallel training a NaN from one rank reaches every rank's
+            # weights within a step: the ranks whose loss went bad first are the source.
+            first = loss_at[bad_loss].min()
+            bad_grad |= bad_loss & (loss_at > first)
+            bad_loss &= loss_at == first
         step = int(t["step"][bad_loss | bad_grad].max())
         if not bad_loss.any() and (t["step"][started] < step).any():
             # Grad norms are all-reduced: every rank sees NaN once one rank's loss
