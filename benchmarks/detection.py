@@ -39,7 +39,7 @@ FAULTS = {
               "notices the exit within its 0.1 s monitor interval; the peers' gloo errors follow"),
     "straggler": (f"straggler:delay=0.3,rank={CULPRIT},step=5", "straggler", "nothing: the job just runs slower"),
     "nan": (f"nan:rank={CULPRIT},step=30", "loss_nan", "nothing: training continues on NaN weights"),
-    "spike": (f"spike:rank={CULPRIT},step=30", "loss_spike", "nothing"),
+    "spike": (f"spike:rank={CULPRIT},step=60", "loss_spike", "nothing"),
     "xid79": (f"xid:code=79,rank={CULPRIT},step=5", "xid", "nothing until the job hangs or crashes"),
     "ecc": (f"ecc:rank={CULPRIT},step=5", "ecc", "nothing"),
 }

@@ -95,7 +95,8 @@ def test_straggler(tmp_path):
 
 @pytest.mark.parametrize("kind, inject", [("loss_nan", "nan"), ("loss_spike", "spike")])
 def test_loss_health(tmp_path, kind, inject):
-    incident, _, _ = run_fault(tmp_path, inject, f"{inject}:rank={CULPRIT},step=30", kind)
+    # step 60: the spike detector judges against a baseline of >= 20 observed steps
+    incident, _, _ = run_fault(tmp_path, inject, f"{inject}:rank={CULPRIT},step=60", kind)
     assert incident["culprit_ranks"] == [CULPRIT]
 
 
