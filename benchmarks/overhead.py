@@ -77,14 +77,14 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
             with tw.phase("optimizer"):
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
-            tw.step(loss=float(loss), grad_norm=float(norm), step=i)
+            tw.step(loss=float(loss.detach()), grad_norm=float(norm), step=i)
         else:
             _, loss = model(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            float(loss), float(norm)  # the same host reads the ON path does
+            float(loss.detach()), float(norm)  # the same host reads the ON path does
 
     for i in range(args.warmup):
         step(i, i % 2 == 0)
