@@ -18,7 +18,11 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 16)), batch_size=8)
 it = iter(data)
 for step in range(args.steps):
-    (x,) = next(it)
+    try:
+        (x,) = next(it)
+    except StopIteration:  # a new epoch
+        it = iter(data)
+        (x,) = next(it)
     loss = model(x).pow(2).mean()
     opt.zero_grad()
     loss.backward()
