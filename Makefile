@@ -18,13 +18,20 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# A real Prometheus server for the dashboard/query tests (Debian package).
+# Real servers and tools for the tests (Debian packages): Prometheus and
+# promtool for the dashboard, scrape and alert tests; Chromium to render the
+# job report page. Without root they are skipped with a warning.
 system-deps:
-	@command -v prometheus >/dev/null 2>&1 || { \
+	@missing=""; \
+	command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
-	      || echo "warning: could not install prometheus; its tests will be skipped"; \
-	  else echo "warning: prometheus not installed (needs root: apt-get install prometheus); its tests will be skipped"; fi; }
+	    echo "installing:$$missing (Debian packages)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null) \
+	      || echo "warning: could not install$$missing; their tests will be skipped"; \
+	  else echo "warning:$$missing not installed (needs root: apt-get install$$missing); their tests will be skipped"; fi; \
+	fi
 
 run: setup
 	$(BIN)/trainwatch launch --nproc-per-node 2

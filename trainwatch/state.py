@@ -154,3 +154,48 @@ def read_events(job: str) -> Iterator[dict]:
                 yield json.loads(line)
             except ValueError:
                 continue  # a torn last line from a crash is skipped, not fatal
+
+
+# ---- Prometheus file-based service discovery ------------------------------------
+
+
+def targets_dir() -> Path:
+    """Where `trainwatch launch` lists its exporters for Prometheus' file_sd
+    (dashboards/prometheus.yml reads `targets/*.json` next to itself: link or
+    point this directory there). TRAINWATCH_TARGETS_DIR overrides it."""
+    explicit = os.environ.get("TRAINWATCH_TARGETS_DIR")
+    return Path(explicit).expanduser() if explicit else home() / "targets"
+
+
+def _target_path(job: str, node: str) -> Path:
+    safe_node = re.sub(r"[^A-Za-z0-9._-]", "_", node)[:100] or "node"
+    return targets_dir() / f"{check_job_name(job)}@{safe_node}.json"
+
+
+def write_scrape_target(job: str, node: str, address: str) -> Path | None:
+    """List one node's exporter for Prometheus. The file is replaced atomically
+    (Prometheus never reads half of it) and is world-readable so a Prometheus
+    running as its own user can read it from a directory it may enter. Returns
+    None, and leaves the job running, when the directory is not writable."""
+    path = _target_path(job, node)
+    record = [{"targets": [address], "labels": {"trainwatch_job": job, "node": node}}]
+    try:
+        path.parent.mkdir(mode=0o755 if os.environ.get("TRAINWATCH_TARGETS_DIR") else 0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, (json.dumps(record, indent=2) + "\n").encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        return None
+    return path
+
+
+def remove_scrape_target(job: str, node: str) -> None:
+    """A finished job leaves Prometheus' target list (no TrainwatchExporterDown for it)."""
+    try:
+        _target_path(job, node).unlink()
+    except (OSError, StateError):
+        pass

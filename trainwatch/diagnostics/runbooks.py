@@ -34,6 +34,8 @@ PRODUCT_RUNBOOKS = (
     "grad-explosion",
     "crash",
     "healthy",
+    "restart-loop",
+    "exporter-down",
 )
 """Runbook ids that detectors and verdicts outside the stack catalog refer to."""
 

@@ -104,6 +104,8 @@ class HardwareMonitor:
             from trainwatch.watchdog.fake_nvml import FakeNvml
 
             nvml = FakeNvml(gpu_count=max(1, nproc))
+            for gpu in nvml.gpus:
+                gpu.throttle_mask = 0x1  # what an idle GPU reports: the ranks compute on the CPU
         self.fake = nvml if nvml is not None and type(nvml).__name__ == "FakeNvml" else None
         self.poller = NvmlPoller(nvml)
         self.enabled = self.poller.start()
@@ -121,7 +123,8 @@ class HardwareMonitor:
             self.watcher.start()
         self.kernel = KernelLogSource.open(kernel_log_path)
         self.kernel_log_path = kernel_log_path
-        self.xid_counts: dict[int, int] = {}
+        self.xid_counts: dict[tuple[int, int, str], int] = {}
+        """(gpu, xid code, severity) -> events, for trainwatch_gpu_xid_errors_total."""
         self.ecc_seen: dict[int, int] = {}
 
     # ---- mapping -------------------------------------------------------------
@@ -178,10 +181,11 @@ class HardwareMonitor:
             if e.code is None:
                 continue
             gpu = self._gpu_of_pci(e.pci)
-            if gpu is not None:
-                self.xid_counts[gpu] = self.xid_counts.get(gpu, 0) + 1
             info = xid.sxid_info(e.code, e.text) if e.is_sxid else xid.lookup(e.code)
             severity = e.severity or info.severity
+            if gpu is not None:
+                key = (gpu, e.code, severity)
+                self.xid_counts[key] = self.xid_counts.get(key, 0) + 1
             if severity not in INCIDENT_SEVERITIES:
                 continue
             if summary is not None and summary.most_severe is not None and e is not summary.most_severe:
@@ -288,7 +292,12 @@ class HardwareMonitor:
         throttle = GaugeMetricFamily("trainwatch_gpu_throttle", "Active clock throttle reasons (1 = active).",
                                      labels=labels + ["reason"])
         ecc = CounterMetricFamily("trainwatch_gpu_ecc_errors", "ECC errors since driver load.", labels=labels + ["type"])
+        # The per-GPU total exists from 0, so increase() counts the first Xid;
+        # the per-code series appear with their first event and carry the
+        # table's severity, which the alerts page on.
         xids = CounterMetricFamily("trainwatch_gpu_xid_errors", "Xid errors seen by trainwatch.", labels=labels)
+        by_code = CounterMetricFamily("trainwatch_gpu_xid_code_errors", "Xid errors seen by trainwatch, by code and severity.",
+                                      labels=labels + ["xid", "severity"])
         rank_of = {g: lr for lr, g in self.gpu_of_local_rank.items()}
         for s in self.samples:
             lv = [job, node, str(s.index), str(rank_of.get(s.index, ""))]
@@ -304,11 +313,17 @@ class HardwareMonitor:
                 ecc.add_metric(lv + ["corrected"], float(s.ecc_volatile_corrected))
             if s.ecc_volatile_uncorrected is not None:
                 ecc.add_metric(lv + ["uncorrected"], float(s.ecc_volatile_uncorrected))
-            xids.add_metric(lv, float(self.xid_counts.get(s.index, 0)))
+            total = 0
+            for (gpu, code, severity), n in sorted(self.xid_counts.items()):
+                if gpu == s.index:
+                    by_code.add_metric(lv + [str(code), severity], float(n))
+                    total += n
+            xids.add_metric(lv, float(total))
         yield from fams.values()
         yield throttle
         yield ecc
         yield xids
+        yield by_code
 
     def close(self) -> None:
         if self.watcher is not None:

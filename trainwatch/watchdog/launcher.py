@@ -356,6 +356,10 @@ def launch(argv: list[str]) -> int:
     state.update_job(config.job, sidecar_pid=sidecar.proc.pid if sidecar.proc else None, metrics=metrics)
     if metrics:
         print(f"[trainwatch] metrics: http://{metrics}/metrics", flush=True)
+        target = state.write_scrape_target(config.job, node, metrics)
+        if target is None:
+            print(f"[trainwatch] warning: cannot write the Prometheus target under {state.targets_dir()}; "
+                  "set TRAINWATCH_TARGETS_DIR to a writable directory", flush=True)
 
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -425,6 +429,7 @@ def launch(argv: list[str]) -> int:
         except Exception:
             pass
         sidecar.stop()
+        state.remove_scrape_target(config.job, node)
         state.update_job(config.job, status=status, end_time=time.time(), exit_code=code, restarts=agent.restart_count)
         segment.close()
         try:
