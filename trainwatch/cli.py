@@ -1,4 +1,4 @@
-"""`trainwatch` command line: launch, diagnose, explain, jobs, runbook."""
+"""`trainwatch` command line: launch, diagnose, explain, jobs, runbook, report, dashboards."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import time
 
 from trainwatch import __version__, state
 
-USAGE = """trainwatch {launch,diagnose,explain,jobs,runbook} ...
+USAGE = """trainwatch {launch,diagnose,explain,jobs,runbook,report,dashboards} ...
 
   launch   [torchrun options] [--job NAME] [--inject SPEC]... [SCRIPT | -m MODULE] [ARGS...]
   diagnose JOB [--json]          live verdict for a running job (or the last incident)
   explain  FILE... [--json]      verdicts from logs, py-spy dumps, kernel logs ('-' = stdin)
   jobs     [--json]              list jobs and their status
   runbook  [ID]                  list runbooks, or print one
+  report   JOB [--out FILE.html] one self-contained HTML page of the job: loss, step time, incidents
+  dashboards [--out DIR] [--check]  write the Grafana dashboards and provisioning files
 """
 
 
@@ -106,12 +108,26 @@ def cmd_diagnose(argv: list[str]) -> int:
     return diagnose.main(args.job, as_json=args.json, native=args.native, timeout_s=args.timeout)
 
 
+def cmd_report(argv: list[str]) -> int:
+    from trainwatch import report
+
+    return report.main(argv)
+
+
+def cmd_dashboards(argv: list[str]) -> int:
+    from trainwatch import dashboards
+
+    return dashboards.main(argv)
+
+
 COMMANDS = {
     "launch": cmd_launch,
     "diagnose": cmd_diagnose,
     "explain": cmd_explain,
     "jobs": cmd_jobs,
     "runbook": cmd_runbook,
+    "report": cmd_report,
+    "dashboards": cmd_dashboards,
 }
 
 

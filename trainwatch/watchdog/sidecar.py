@@ -81,6 +81,10 @@ class Sidecar:
         self.engine = self._make_engine(detectors)
         self.actions = actions
         self.tracer = None
+        from trainwatch.watchdog.history import HistoryWriter, history_path
+
+        # ~1 sample/s per rank for `trainwatch report`; bounded in size.
+        self.history = HistoryWriter(history_path(self.job_dir, self.node), clock=clock)
 
     # ---- wiring -------------------------------------------------------------------
 
@@ -334,6 +338,7 @@ class Sidecar:
         while not stop.is_set():
             try:
                 self.tick()
+                self.history.maybe_sample(self.last_table, self.straggler_ratios)
                 if time.monotonic() - last_snapshot >= SNAPSHOT_INTERVAL_S:
                     self.write_snapshot()
                     last_snapshot = time.monotonic()
@@ -347,6 +352,8 @@ class Sidecar:
             stop.wait(delay)
         try:  # one last round (exits reported as the job ended), then the final state
             self.tick()
+            self.history.interval_s = 0.0  # the last sample always lands
+            self.history.maybe_sample(self.last_table, self.straggler_ratios)
             self.write_snapshot()
         except Exception:
             log.exception("trainwatch sidecar: final snapshot failed")

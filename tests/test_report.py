@@ -1,0 +1,277 @@
+"""The sidecar's compact history and `trainwatch report`: the writer with an
+injected clock, the page built from a job directory, bad input, a real job end
+to end, and the page rendered in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from slot_tables import make_table
+from trainwatch import report, state
+from trainwatch.watchdog import history
+from util import BIN, ROOT, env_for, job_json, stop_group, trainwatch, wait_for
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (Debian package `chromium`)")
+
+
+class Clock:
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ---- history writer ---------------------------------------------------------------
+
+
+def test_writer_samples_once_per_interval_with_mean_step_time(tmp_path):
+    clock, wall = Clock(100.0), Clock(1_700_000_000.0)
+    w = history.HistoryWriter(tmp_path / "h" / "n.jsonl", clock=clock, wall=wall)
+    table = make_table(2, now=100.0, step=10, step_s=0.5)
+    calls = []
+
+    def ratios():
+        calls.append(1)
+        return {1: 1.8}
+
+    assert w.maybe_sample(table, ratios)
+    clock.t = 100.5
+    assert not w.maybe_sample(table, ratios)  # not due: ratios not even computed
+    assert len(calls) == 1
+    # 1 s later both ranks advanced 4 steps in 1.2 s of progress -> 0.3 s per step
+    clock.t, wall.t = 101.0, wall.t + 1
+    table = make_table(2, now=101.2, step=14, step_s=0.9)
+    table["progress_mono"][0] = 100.0 + 1.2
+    assert w.maybe_sample(table, ratios)
+    samples = history.read_samples([w.path])
+    assert [s["t"] for s in samples] == [1_700_000_000.0, 1_700_000_001.0]
+    first, second = samples[0]["r"], samples[1]["r"]
+    assert first[0] == [0, 10, 2.0, 0.5, "data", 0.0, None] and first[1][6] == 1.8
+    assert second[0][3] == pytest.approx(0.3) and second[0][1] == 14
+    assert oct(w.path.stat().st_mode & 0o777) == "0o600"
+    assert oct(w.path.parent.stat().st_mode & 0o777) == "0o700"
+
+
+def test_restart_falls_back_to_the_slot_step_time_and_nan_is_null(tmp_path):
+    clock = Clock()
+    w = history.HistoryWriter(tmp_path / "n.jsonl", clock=clock, interval_s=1.0)
+    w.maybe_sample(make_table(1, now=100.0, step=50))
+    clock.t = 101.0
+    w.maybe_sample(make_table(1, now=101.0, step=3, step_s=0.7, loss=float("nan")))  # resumed lower
+    [_, after] = history.read_samples([w.path])
+    assert after["r"][0][1:4] == [3, None, 0.7]
+
+
+def test_compaction_bounds_the_file_and_keeps_first_and_last(tmp_path):
+    clock, wall = Clock(), Clock(1e9)
+    w = history.HistoryWriter(tmp_path / "n.jsonl", clock=clock, wall=wall, max_bytes=20_000)
+    table = make_table(8)
+    n = 1000
+    for i in range(n):
+        clock.t += 1
+        wall.t += 1
+        table["step"] += 1
+        table["progress_mono"] = clock.t
+        assert w.maybe_sample(table)
+        assert w.path.stat().st_size <= 20_000
+    samples = history.read_samples([w.path])
+    times = [s["t"] for s in samples]
+    assert times[0] == 1e9 + 1 and times[-1] == 1e9 + n  # the whole span is still covered
+    assert times == sorted(times) and len(times) < n
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert gaps[-1] == 1 and max(gaps) > 1  # recent samples at full resolution, older ones thinned
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_reader_skips_a_torn_last_line(tmp_path):
+    path = tmp_path / "n.jsonl"
+    path.write_text('{"t":1,"r":[[0,1,2.0,0.1,"data",0.0,null]]}\n{"t":2,"r":[[0,2,1.9,0.1,"da')
+    samples = history.read_samples([path, tmp_path / "missing.jsonl"])
+    assert [s["t"] for s in samples] == [1]
+    series = history.per_rank(samples)
+    assert series[0]["loss"] == [2.0] and series[0]["t"] == [1]
+
+
+# ---- the page from a job directory -----------------------------------------------------
+
+HOSTILE = '</script><img src=x onerror=alert(1)>'
+
+
+def fake_job(home: Path, job: str = "synth", *, status: str = "succeeded", samples: int = 30) -> Path:
+    d = state.make_job_dir(job)
+    start = 1_700_000_000.0
+    state.write_json_atomic(d / "job.json", {"job": job, "status": status, "start_time": start,
+                                             "end_time": start + samples, "restarts": 1, "nproc_per_node": 3,
+                                             "entrypoint": f"train.py --tag {HOSTILE}"})
+    w = history.HistoryWriter(history.history_path(d, "node-a"), clock=Clock(0.0), wall=Clock(start))
+    for i in range(samples):
+        w.clock.t, w.wall.t = float(i), start + i
+        table = make_table(3, now=float(i), step=10 * i, step_s=0.1, loss=3.0 - i * 0.05)
+        table["step_s"][2] = 0.3
+        w.maybe_sample(table, lambda: {0: 1.0, 1: 1.0, 2: 2.9})
+    for t, kind, culprits, summary in ((10, "straggler", [2], "rank 2 is slow"), (20, "hang", [1], HOSTILE),
+                                       (22, "restart", [], "restart 1")):
+        stamp = __import__("datetime").datetime.fromtimestamp(start + t).astimezone().isoformat()
+        state.append_event(job, {"kind": kind, "culprit_ranks": culprits, "summary": summary, "runbook": kind,
+                                 "time": stamp})
+    return d
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINWATCH_HOME", str(tmp_path))
+    return tmp_path
+
+
+def embedded(page: str) -> dict:
+    m = re.search(r'<script type="application/json" id="tw-data">(.*?)</script>', page, re.S)
+    return json.loads(m.group(1))
+
+
+def test_report_holds_the_job_and_escapes_what_it_did_not_write(home):
+    fake_job(home)
+    data = report.collect("synth", now=1_700_000_100.0)
+    assert data["ranks"] == [0, 1, 2] and data["steps"] == 290 and data["restarts"] == 1
+    assert data["kinds"] == {"hang": 1, "restart": 1, "straggler": 1}
+    assert data["verdict"]["kind"] == "hang" and data["verdict"]["culprits"] == [1]
+    assert [r["rank"] for r in data["slowest"]] == [2, 0, 1] and data["slowest"][0]["ratio"] == 2.9
+    assert data["slowest"][0]["median_step_s"] == pytest.approx(0.1)  # 10 steps per 1 s sample
+    page = report.render(data)
+    assert HOSTILE not in page  # neither in the header nor inside the <script> data
+    assert page.count("</script>") == 2
+    assert embedded(page)["events"][1]["summary"] == HOSTILE  # the data survives, as data
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
+
+
+def test_report_for_a_job_without_history_still_renders(home):
+    d = fake_job(home, "young", status="running", samples=0)
+    shutil.rmtree(d / "history", ignore_errors=True)
+    r = trainwatch(home, "report", "young")
+    assert r.returncode == 0, r.stderr
+    page = (d / "report.html").read_text()
+    assert embedded(page)["series"] == {} and "young" in page
+
+
+def test_report_cli_writes_out_file(home, tmp_path):
+    fake_job(home)
+    out = tmp_path / "out" / "page.html"
+    out.parent.mkdir()
+    r = trainwatch(home, "report", "synth", "--out", str(out))
+    assert r.returncode == 0 and r.stdout.startswith(f"wrote {out}"), r.stderr
+    assert "3 ranks, 30 samples" in r.stdout and out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nosuchjob"], "no job named 'nosuchjob'"),
+    (["../etc"], "--job must be"),
+    (["synth", "--out", "/nonexistent-dir/x.html"], "pick a writable --out path"),
+    (["synth", "--out", "/tmp"], "is a directory"),
+])
+def test_bad_input_is_one_line_and_exit_2(home, args, message):
+    d = fake_job(home)
+    before = sorted(p.name for p in d.iterdir())
+    r = trainwatch(home, "report", *args)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert sorted(p.name for p in d.iterdir()) == before  # nothing written, nothing lost
+
+
+# ---- a real job, a real browser --------------------------------------------------------
+
+
+def render_in_chromium(page: Path, tmp_path: Path, screenshot: Path | None = None) -> tuple[str, str]:
+    """The page's DOM after its scripts ran, and Chromium's console log."""
+    args = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            f"--user-data-dir={tmp_path / 'chromium-profile'}", "--enable-logging=stderr", "--v=0"]
+    dom = subprocess.run(args + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    if screenshot is not None:
+        shot = subprocess.run(args + ["--hide-scrollbars", "--window-size=1400,1500", f"--screenshot={screenshot}",
+                                      page.as_uri()], capture_output=True, text=True, timeout=120)
+        assert shot.returncode == 0 and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
+    return dom.stdout, dom.stderr
+
+
+@pytest.fixture(scope="module")
+def real_job(tmp_path_factory):
+    """A real 4-rank launch of the integrated trainer: rank 2 straggles, rank 1's
+    DataLoader hangs at step 30 (detected, checkpointed, restarted)."""
+    home = tmp_path_factory.mktemp("twhome")
+    r = trainwatch(home, "launch", "--nproc-per-node", "4", "--job", "rep",
+                   "--inject", "straggler:delay=0.2,rank=2,step=5",
+                   "--inject", "hang:where=dataloader,rank=1,step=30",
+                   "-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", "80", "--log-interval", "1000",
+                   timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return home
+
+
+@pytest.mark.slow
+def test_sidecar_keeps_history_of_a_real_job(real_job):
+    home = real_job
+    [path] = (home / "jobs" / "rep" / "history").glob("*.jsonl")
+    samples = history.read_samples([path])
+    series = history.per_rank(samples)
+    assert sorted(series) == [0, 1, 2, 3]
+    assert len(samples) >= 10 and path.stat().st_size < history.MAX_BYTES
+    gaps = [b["t"] - a["t"] for a, b in zip(samples, samples[1:-1])]  # the last one lands at shutdown
+    assert min(gaps) >= 0.9 and sorted(gaps)[len(gaps) // 2] < 1.5  # ~1 sample per second
+    assert max(series[0]["step"]) == 80  # the final sample lands after the last step
+    ratios = [x for x in series[2]["ratio"] if x is not None]
+    assert ratios and max(ratios) >= 1.5
+
+
+@pytest.mark.slow
+@needs_chromium
+def test_report_of_a_real_job_renders_in_chromium(real_job, tmp_path):
+    home = real_job
+    r = trainwatch(home, "report", "rep")
+    assert r.returncode == 0, r.stderr
+    page = home / "jobs" / "rep" / "report.html"
+    data = embedded(page.read_text())
+    assert {e["kind"] for e in data["events"]} >= {"straggler", "hang", "restart"}
+    assert data["slowest"][0]["rank"] == 2 and data["status"] == "succeeded"
+    dom, console = render_in_chromium(page, tmp_path, screenshot=tmp_path / "report.png")
+    body = re.search(r"<body[^>]*>", dom).group(0)
+    assert 'data-rendered="6"' in body and 'data-errors="0"' in body, body
+    plots = re.findall(r'<svg[^>]*class="plot"[^>]*data-points="(\d+)"', dom)
+    assert len(plots) == 6 and all(int(n) > 0 for n in plots), plots
+    assert dom.count('class="series"') >= 4 * 4  # a line per rank on each of the 4 time charts
+    assert dom.count('class="incident"') == len(data["events"])
+    assert not re.search(r"Uncaught|CONSOLE\(\d+\).*(Error|error)", console), console[-2000:]
+
+
+@pytest.mark.slow
+@needs_chromium
+def test_report_of_a_running_job(tmp_path):
+    """Mid-run: partial history, status running; the page still renders."""
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = subprocess.Popen(
+        [str(BIN / "trainwatch"), "launch", "--nproc-per-node", "2", "--job", "live", "-m", "trainwatch.trainer",
+         "--model-size", "tiny", "--max-steps", "100000", "--log-interval", "100000"],
+        env=env_for(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(ROOT), start_new_session=True,
+    )
+    try:
+        path = home / "jobs" / "live" / "history"
+        wait_for(lambda: len(history.read_samples(path.glob("*.jsonl"))) >= 3 and
+                 any(s["r"][0][1] > 0 for s in history.read_samples(path.glob("*.jsonl"))),
+                 120, interval=0.5, what="three samples of a training job")
+        r = trainwatch(home, "report", "live", "--out", str(tmp_path / "live.html"))
+        assert r.returncode == 0, r.stderr
+        assert job_json(home, "live")["status"] == "running"
+    finally:
+        stop_group(proc)
+    data = embedded((tmp_path / "live.html").read_text())
+    assert data["status"] == "running" and sorted(data["series"]) == ["0", "1"]
+    dom, _ = render_in_chromium(tmp_path / "live.html", tmp_path)
+    assert 'data-errors="0"' in re.search(r"<body[^>]*>", dom).group(0)
