@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from slot_tables import make_table
 from trainwatch import report, state
 from trainwatch.watchdog import history
-from util import BIN, ROOT, env_for, job_json, stop_group, trainwatch, wait_for
+from util import BIN, ROOT, env_for, events, job_json, stop_group, trainwatch, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (Debian package `chromium`)")
@@ -71,6 +72,81 @@ def test_restart_falls_back_to_the_slot_step_time_and_nan_is_null(tmp_path):
     assert after["r"][0][1:4] == [3, None, 0.7]
 
 
+def test_a_new_worker_generation_is_not_averaged_across_the_restart(tmp_path):
+    clock = Clock()
+    w = history.HistoryWriter(tmp_path / "n.jsonl", clock=clock)
+    w.maybe_sample(make_table(1, now=100.0, step=29, step_s=0.25))
+    # The restarted rank's fresh slot: step 0, no step done yet (progress == start).
+    clock.t = 105.0
+    fresh = make_table(1, now=104.0, step=0, phase="init", start_mono=104.0)
+    fresh["restart"] = 1
+    w.maybe_sample(fresh)
+    # Resumed at step 30 and did 6 steps since; the downtime is not in its step time.
+    clock.t = 110.0
+    resumed = make_table(1, now=109.5, step=35, step_s=0.2, start_mono=104.0)
+    resumed["restart"] = 1
+    w.maybe_sample(resumed)
+    rows = [s["r"][0] for s in history.read_samples([w.path])]
+    assert rows[1] == [0, None, None, None, "init", 1.0, None]  # not "step 0, loss 0"
+    assert rows[2][1:4] == [35, 2.0, 0.2]
+
+
+def test_a_failing_write_never_raises(tmp_path, caplog):
+    (tmp_path / "job").write_text("a file where the job directory should be")
+    w = history.HistoryWriter(history.history_path(tmp_path / "job", "n0"), clock=Clock())
+    for _ in range(3):
+        w.clock.t += 1
+        assert not w.maybe_sample(make_table(2))
+    assert caplog.text.count("history sample") == 1  # warned once, not every second
+
+
+def test_node_names_make_safe_file_names(tmp_path):
+    assert history.history_path(tmp_path, "gpu-node-7.cluster").name == "gpu-node-7.cluster.jsonl"
+    for hostile in ("../../etc/passwd", "..", "", "a/b\\c d"):
+        path = history.history_path(tmp_path, hostile)
+        assert path.parent == tmp_path / "history" and not path.name.startswith("."), path
+
+
+def test_the_sidecar_loop_samples_about_once_a_second(tmp_path, monkeypatch):
+    """Sidecar.run with an injected clock: 0.5 s per round, so every other round
+    samples, plus one forced sample at shutdown; a broken history dir costs
+    nothing else."""
+    from trainwatch import slots
+    from trainwatch.watchdog.sidecar import Sidecar
+
+    monkeypatch.setenv("TRAINWATCH_HOME", str(tmp_path / "home"))
+    state.make_job_dir("sc")
+    seg = str(tmp_path / "seg")
+    slots.create_segment(seg, 2)
+    writers = [slots.SlotWriter(slots.Segment(seg), i, pid=os.getpid(), rank=i, world_size=2, restart=0)
+               for i in range(2)]
+    clock = Clock(100.0)
+    sc = Sidecar("sc", seg, node="node/0", clock=clock, detectors=[], out=__import__("io").StringIO())
+    stop = threading.Event()
+    rounds = []
+    real_tick = sc.tick
+
+    def tick():
+        clock.t += 0.5
+        rounds.append(clock.t)
+        for i, w in enumerate(writers):
+            w.write_step(len(rounds), 3.0 - 0.1 * len(rounds), 1.0, 0.5, 0.3, clock.t, 0.0,
+                         slots.PHASE_CODES["forward"], clock.t, 0)
+        if len(rounds) == 10:
+            stop.set()
+        return real_tick()
+
+    sc.tick = tick
+    sc.run(stop, interval_s=0.001)
+    path = state.job_dir("sc") / "history" / "node_0.jsonl"
+    samples = history.read_samples([path])
+    assert len(samples) == 6  # rounds 1, 3, 5, 7, 9, then the final one (round 11)
+    series = history.per_rank(samples)
+    assert sorted(series) == [0, 1] and series[0]["step"] == [1, 3, 5, 7, 9, 11]
+    assert series[1]["step_s"][1:] == [0.5] * 5  # 2 steps per 1.0 s of progress
+    assert (state.job_dir("sc") / "telemetry.json").is_file()
+
+
 def test_compaction_bounds_the_file_and_keeps_first_and_last(tmp_path):
     clock, wall = Clock(), Clock(1e9)
     w = history.HistoryWriter(tmp_path / "n.jsonl", clock=clock, wall=wall, max_bytes=20_000)
@@ -90,6 +166,34 @@ def test_compaction_bounds_the_file_and_keeps_first_and_last(tmp_path):
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert gaps[-1] == 1 and max(gaps) > 1  # recent samples at full resolution, older ones thinned
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_repeated_compactions_keep_the_whole_span_evenly(tmp_path):
+    """Hundreds of compactions: the job's first hours are not thinned away
+    (every tenth of the span keeps a similar share of samples)."""
+    clock, wall = Clock(), Clock(0.0)
+    w = history.HistoryWriter(tmp_path / "n.jsonl", clock=clock, wall=wall, max_bytes=30_000)
+    table = make_table(1)
+    n = 30_000
+    for i in range(n):
+        clock.t += 1
+        wall.t += 1
+        table["step"] += 1
+        table["progress_mono"] = clock.t
+        w.maybe_sample(table)
+    assert w.compactions > 100 and w.path.stat().st_size <= 30_000
+    times = [s["t"] for s in history.read_samples([w.path])]
+    assert times[0] == 1 and times[-1] == n
+    old = [t for t in times if t < 0.9 * n]  # outside the full-resolution tail
+    bins = [sum(1 for t in old if k * n / 10 <= t < (k + 1) * n / 10) for k in range(9)]
+    assert min(bins) >= 0.5 * max(bins) > 0, bins
+
+
+def test_the_cap_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(history.MAX_BYTES_ENV, "65536")
+    assert history.HistoryWriter(tmp_path / "n.jsonl").max_bytes == 65536
+    monkeypatch.setenv(history.MAX_BYTES_ENV, "lots")
+    assert history.HistoryWriter(tmp_path / "n.jsonl").max_bytes == history.MAX_BYTES
 
 
 def test_reader_skips_a_torn_last_line(tmp_path):
@@ -171,7 +275,9 @@ def test_report_cli_writes_out_file(home, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["nosuchjob"], "no job named 'nosuchjob'"),
+    (["nosuchjob"], "unknown job 'nosuchjob'"),
+    ([], "usage: trainwatch report JOB"),
+    (["synth", "--colour", "red"], "unrecognized arguments"),
     (["../etc"], "--job must be"),
     (["synth", "--out", "/nonexistent-dir/x.html"], "pick a writable --out path"),
     (["synth", "--out", "/tmp"], "is a directory"),
@@ -195,7 +301,7 @@ def render_in_chromium(page: Path, tmp_path: Path, screenshot: Path | None = Non
     dom = subprocess.run(args + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     if screenshot is not None:
-        shot = subprocess.run(args + ["--hide-scrollbars", "--window-size=1400,1500", f"--screenshot={screenshot}",
+        shot = subprocess.run(args + ["--hide-scrollbars", "--window-size=1280,1900", f"--screenshot={screenshot}",
                                       page.as_uri()], capture_output=True, text=True, timeout=120)
         assert shot.returncode == 0 and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
     return dom.stdout, dom.stderr
@@ -225,7 +331,14 @@ def test_sidecar_keeps_history_of_a_real_job(real_job):
     assert len(samples) >= 10 and path.stat().st_size < history.MAX_BYTES
     gaps = [b["t"] - a["t"] for a, b in zip(samples, samples[1:-1])]  # the last one lands at shutdown
     assert min(gaps) >= 0.9 and sorted(gaps)[len(gaps) // 2] < 1.5  # ~1 sample per second
-    assert max(series[0]["step"]) == 80  # the final sample lands after the last step
+    assert any(e["kind"] == "restart" for e in events(home, "rep"))
+    for rank, s in series.items():
+        steps = [x for x in s["step"] if x is not None]
+        # Before a generation's first step a rank has no step (null), never a
+        # dip to "step 0": across the restart the curve has a gap, then resumes.
+        assert 0 not in steps and steps == sorted(steps), (rank, s["step"])
+    assert max(steps) == 80  # the final sample lands after the last step
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     ratios = [x for x in series[2]["ratio"] if x is not None]
     assert ratios and max(ratios) >= 1.5
 
@@ -242,10 +355,10 @@ def test_report_of_a_real_job_renders_in_chromium(real_job, tmp_path):
     assert data["slowest"][0]["rank"] == 2 and data["status"] == "succeeded"
     dom, console = render_in_chromium(page, tmp_path, screenshot=tmp_path / "report.png")
     body = re.search(r"<body[^>]*>", dom).group(0)
-    assert 'data-rendered="6"' in body and 'data-errors="0"' in body, body
+    assert 'data-rendered="7"' in body and 'data-errors="0"' in body, body
     plots = re.findall(r'<svg[^>]*class="plot"[^>]*data-points="(\d+)"', dom)
-    assert len(plots) == 6 and all(int(n) > 0 for n in plots), plots
-    assert dom.count('class="series"') >= 4 * 4  # a line per rank on each of the 4 time charts
+    assert len(plots) == 7 and all(int(n) > 0 for n in plots), plots
+    assert dom.count('class="series"') >= 5 * 4  # a line per rank on each of the 5 time charts
     assert dom.count('class="incident"') == len(data["events"])
     assert not re.search(r"Uncaught|CONSOLE\(\d+\).*(Error|error)", console), console[-2000:]
 
@@ -264,7 +377,7 @@ def test_report_of_a_running_job(tmp_path):
     try:
         path = home / "jobs" / "live" / "history"
         wait_for(lambda: len(history.read_samples(path.glob("*.jsonl"))) >= 3 and
-                 any(s["r"][0][1] > 0 for s in history.read_samples(path.glob("*.jsonl"))),
+                 any(s["r"][0][1] for s in history.read_samples(path.glob("*.jsonl"))),
                  120, interval=0.5, what="three samples of a training job")
         r = trainwatch(home, "report", "live", "--out", str(tmp_path / "live.html"))
         assert r.returncode == 0, r.stderr

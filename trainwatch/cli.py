@@ -49,24 +49,12 @@ def cmd_jobs(argv: list[str]) -> int:
     print(f"{'JOB':<36} {'STATUS':<10} {'RANKS':>5} {'RESTARTS':>8}  {'STARTED':<19}  ENTRYPOINT")
     for j in jobs:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.get("start_time", 0)))
-        status = _live_status(j)
+        status = state.live_status(j)
         print(
             f"{j.get('job', '?'):<36} {status:<10} {len(j.get('ranks') or []):>5} {j.get('restarts', 0):>8}  "
             f"{started:<19}  {j.get('entrypoint', '')}"
         )
     return 0
-
-
-def _live_status(job: dict) -> str:
-    """A job.json left 'running' by a launcher that was SIGKILLed is reported as lost."""
-    status = job.get("status", "?")
-    if status in ("running", "starting"):
-        import psutil
-
-        pid = job.get("launcher_pid")
-        if pid and not psutil.pid_exists(pid):
-            return "lost"
-    return status
 
 
 def cmd_runbook(argv: list[str]) -> int:

@@ -43,17 +43,6 @@ def _event_time(event: dict) -> float | None:
         return None
 
 
-def _status(job: dict) -> str:
-    status = job.get("status", "unknown")
-    if status in ("running", "starting"):
-        import psutil
-
-        pid = job.get("launcher_pid")
-        if pid and not psutil.pid_exists(pid):
-            return "lost"
-    return status
-
-
 def _thin(series: dict[str, list], limit: int = MAX_POINTS) -> dict[str, list]:
     n = len(series["t"])
     if n <= limit:
@@ -82,8 +71,18 @@ def _slowest(series: dict[int, dict[str, list]]) -> list[dict]:
     return rows
 
 
+def _last_verdict(events: list[dict]) -> dict | None:
+    """The newest fault that stopped or restarted the job; failing that the
+    newest alert (a straggler, a loss spike); restarts are outcomes, not verdicts."""
+    for kinds in (VERDICT_KINDS, None):
+        for e in reversed(events):
+            if e["kind"] != "restart" and (kinds is None or e["kind"] in kinds):
+                return e
+    return None
+
+
 def collect(job: str, now: float | None = None) -> dict[str, Any]:
-    """Everything the page shows, as plain JSON-able data."""
+    """Everything the page shows, as plain JSON-able data. LookupError: no such job."""
     d = state.job_dir(job)
     record = state.read_json(d / "job.json")
     if record is None:
@@ -104,36 +103,39 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
             "severity": str(e.get("severity") or ""),
         })
     events.sort(key=lambda e: e["t"])
-    samples = history.read_samples(sorted((d / "history").glob("*.jsonl")))
-    series = history.per_rank(samples)
-    start = float(record.get("start_time") or (samples[0]["t"] if samples else now))
-    end = float(record.get("end_time") or (samples[-1]["t"] if samples else now))
-    status = _status(record)
+    nsamples, series = history.read_history(d)
+    first = [s["t"][0] for s in series.values() if s["t"]]
+    last = [s["t"][-1] for s in series.values() if s["t"]]
+    # The time axis spans the job and everything recorded about it (a job
+    # relaunched under the same name keeps its earlier history and events).
+    start = min([float(record.get("start_time") or now)] + first + [e["t"] for e in events[:1]])
+    end = float(record.get("end_time") or 0) or max(last + [start])
+    status = state.live_status(record)
     if status == "running":
         end = max(end, now)
+    end = max([end] + last + [e["t"] for e in events[-1:]])
     kinds: dict[str, int] = {}
     for e in events:
         kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
-    verdict = next((e for e in reversed(events) if e["kind"] in VERDICT_KINDS), None)
-    steps = [max(s["step"]) for s in series.values() if s["step"]]
+    steps = [x for s in series.values() for x in s["step"] if x is not None]
     if not steps:
         telemetry = state.read_json(d / "telemetry.json") or {}
-        steps = [r.get("step", 0) for r in telemetry.get("ranks") or [] if isinstance(r, dict)]
+        steps = [r.get("step") or 0 for r in telemetry.get("ranks") or [] if isinstance(r, dict)]
     return {
         "job": job,
         "status": status,
         "entrypoint": str(record.get("entrypoint") or ""),
-        "ranks": sorted(series) or list(range(int(record.get("nproc_per_node") or 0))),
+        "ranks": sorted(series) or list(range(int(record.get("world_size") or record.get("nproc_per_node") or 0))),
         "start": start,
         "end": end,
         "steps": max(steps) if steps else 0,
         "restarts": int(record.get("restarts") or kinds.get("restart", 0)),
         "kinds": dict(sorted(kinds.items())),
-        "verdict": verdict,
+        "verdict": _last_verdict(events),
         "events": events,
         "series": {str(rank): _thin(s) for rank, s in series.items()},
         "slowest": _slowest(series),
-        "samples": len(samples),
+        "samples": nsamples,
         "generated": now,
     }
 
@@ -156,7 +158,7 @@ def render(data: dict[str, Any]) -> str:
         verdict_html = (f'<span class="kind k-{esc(verdict["kind"])}">{esc(verdict["kind"])}</span> '
                         f'culprit rank(s) {esc(culprits)}: {esc(verdict["summary"])}{runbook}')
     else:
-        verdict_html = "no hang, crash or hardware incident"
+        verdict_html = "no incidents"
     facts = [
         ("status", f'<span class="status s-{esc(data["status"])}">{esc(data["status"])}</span>'),
         ("started", esc(started)),
@@ -195,31 +197,48 @@ def _sanitize(value: Any) -> Any:
     return value
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    """Replace path with text (tmp + rename): a browser reloading the page
+    never sees half of it. The tmp file is removed if anything fails."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every trainwatch error; not argparse's usage block
+        raise SystemExit(_fail(f"{message} (usage: trainwatch report JOB [--out FILE.html])"))
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainwatch report", description="Write one self-contained HTML page of a job.")
+    p = _Parser(prog="trainwatch report", description="Write one self-contained HTML page of a job.")
     p.add_argument("job")
     p.add_argument("--out", type=Path, default=None, help="HTML file to write (default: jobs/<job>/report.html)")
     args = p.parse_args(argv)
     try:
         data = collect(args.job)
+        out = args.out if args.out is not None else state.job_dir(args.job) / "report.html"
+    except state.StateError as e:
+        return _fail(str(e))
     except LookupError:
-        return _fail(f"no job named {args.job!r} under {state.home() / 'jobs'}; `trainwatch jobs` lists them "
-                     "(set TRAINWATCH_HOME if the job ran elsewhere)")
-    out = args.out if args.out is not None else state.job_dir(args.job) / "report.html"
+        known = [j.get("job") for j in state.list_jobs()][-5:]
+        return _fail(f"unknown job {args.job!r} under {state.home() / 'jobs'}; known jobs: "
+                     f"{', '.join(map(str, known)) if known else 'none'} (see `trainwatch jobs`; "
+                     "set TRAINWATCH_HOME if the job ran elsewhere)")
     if out.is_dir():
         return _fail(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
     try:
-        write_atomic(out, render(_sanitize(data)))
+        # The default lives in the private state directory; a chosen --out
+        # file is the user's, with their umask.
+        write_atomic(out, render(_sanitize(data)), 0o600 if args.out is None else 0o666)
     except OSError as e:
         return _fail(f"cannot write {out} ({e.strerror or e}); pick a writable --out path")
     points = sum(len(s["t"]) for s in data["series"].values())
@@ -283,6 +302,7 @@ _PAGE = """<!doctype html>
 <section><h2>Step time per rank</h2><div class="chart" id="steptime"></div></section>
 <section><h2>Progress: step per rank</h2><div class="chart" id="progress"></div></section>
 <section><h2>Straggler slowdown ratio (compute time / group median)</h2><div class="chart" id="ratio"></div></section>
+<section class="wide"><h2>Seconds since each rank's last progress (a hang is a rising ramp)</h2><div class="chart" id="age"></div></section>
 <section class="wide"><h2>Incidents and restarts</h2><div class="chart" id="timeline"></div><div id="incidents"></div></section>
 <section class="wide"><h2>Slowest ranks (compute slowdown vs the group median)</h2><div class="chart" id="slowest"></div></section>
 </main>
@@ -376,8 +396,12 @@ _SCRIPT = r"""
   }
 
   // A time-series chart: one line per rank, gaps where a value is missing,
-  // incidents and restarts as vertical lines, a hover readout.
-  function lineChart(id, field, unit) {
+  // incidents and restarts as vertical lines, a hover readout. opts.wide: the
+  // full-width layout (same x scale as the incident timeline); opts.robust:
+  // the y axis ends at 3x the 90th percentile, so one slow warm-up step does
+  // not flatten the rest (lines are clipped at the top, and the axis says so).
+  function lineChart(id, field, unit, opts) {
+    opts = opts || {};
     var host = document.getElementById(id);
     var ranks = Object.keys(data.series);
     var lines = ranks.map(function (r, i) {
@@ -390,14 +414,24 @@ _SCRIPT = r"""
     lines.forEach(function (l) { l.pts.forEach(function (p) { if (typeof p[1] === "number") values.push(p[1]); }); });
     if (!values.length) { empty(host, "no samples yet"); return; }
     var W = 640, H = 260, L = 58, R = 12, T = 10, B = 28;
-    var lo = Math.min.apply(null, values), hi = Math.max.apply(null, values);
+    if (opts.wide) { W = 1200; H = 190; L = 130; R = 16; }
+    var lo = Math.min.apply(null, values), hi = Math.max.apply(null, values), clipped = false;
+    if (opts.robust && values.length >= 5) {
+      var sorted = values.slice().sort(function (a, b) { return a - b; });
+      var cap = 3 * sorted[Math.floor(0.9 * (sorted.length - 1))];
+      if (cap > 0 && cap < hi) { hi = cap; clipped = true; }
+    }
     if (lo > 0 && lo < hi * 0.5) lo = 0;
     if (hi === lo) { hi = lo + (Math.abs(lo) || 1) * 0.1; lo = lo - (hi - lo); }
     var yt = niceTicks(lo, hi, 5);
+    if (yt.length > 1 && yt[yt.length - 1] < hi) yt.push(yt[yt.length - 1] + (yt[1] - yt[0]));  // a gridline above the top value
     lo = Math.min(lo, yt[0]); hi = Math.max(hi, yt[yt.length - 1]);
     function X(t) { return L + (t - t0) / (t1 - t0) * (W - L - R); }
     function Y(v) { return T + (1 - (v - lo) / (hi - lo)) * (H - T - B); }
     var svg = el("svg", { viewBox: "0 0 " + W + " " + H, role: "img", "class": "plot", "data-series": String(lines.length) }, host);
+    // Lines stay inside the plot area (clipped values, samples before the job's start).
+    var clip = "clip-" + id;
+    el("rect", { x: L, y: T - 1, width: W - L - R, height: H - T - B + 2 }, el("clipPath", { id: clip }, el("defs", {}, svg)));
     var grid = el("g", { "class": "grid" }, svg), axis = el("g", { "class": "axis" }, svg);
     yt.forEach(function (v) {
       el("line", { x1: L, x2: W - R, y1: Y(v), y2: Y(v) }, grid);
@@ -409,6 +443,7 @@ _SCRIPT = r"""
     });
     el("line", { x1: L, x2: W - R, y1: H - B, y2: H - B }, axis);
     if (unit) text(axis, 4, T + 8, unit, {});
+    if (clipped) text(axis, W - R, T + 8, "clipped above " + fmt(hi), { "text-anchor": "end" });
     markers().forEach(function (m) {
       var line = el("line", { x1: X(m.t), x2: X(m.t), y1: T, y2: H - B, stroke: m.color, "stroke-width": 1.5,
                               "stroke-dasharray": m.dash, opacity: 0.8, "class": "marker" }, svg);
@@ -416,14 +451,21 @@ _SCRIPT = r"""
     });
     var npts = 0;
     lines.forEach(function (l) {
-      var d = "", pen = false;
+      var d = "", run = [];
+      function flush() {  // a lone sample between gaps is a dot, not an invisible zero-length line
+        if (run.length === 1) el("circle", { cx: run[0][0], cy: run[0][1], r: 2.2, fill: l.color, "clip-path": "url(#" + clip + ")" }, svg);
+        run = [];
+      }
       l.pts.forEach(function (p) {
-        if (typeof p[1] !== "number") { pen = false; return; }
-        d += (pen ? "L" : "M") + X(p[0]).toFixed(1) + "," + Y(p[1]).toFixed(1);
-        pen = true;
+        if (typeof p[1] !== "number") { flush(); return; }
+        var x = X(p[0]), y = Y(p[1]);
+        d += (run.length ? "L" : "M") + x.toFixed(1) + "," + y.toFixed(1);
+        run.push([x, y]);
         npts++;
       });
-      if (d) el("path", { d: d, fill: "none", stroke: l.color, "stroke-width": 1.6, "class": "series", "data-rank": l.rank }, svg);
+      flush();
+      if (d) el("path", { d: d, fill: "none", stroke: l.color, "stroke-width": 1.6, "class": "series", "data-rank": l.rank,
+                          "clip-path": "url(#" + clip + ")" }, svg);
     });
     svg.setAttribute("data-points", String(npts));
     var cursor = el("line", { y1: T, y2: H - B, stroke: "#1d232b", "stroke-width": 0.6, visibility: "hidden" }, svg);
@@ -434,9 +476,10 @@ _SCRIPT = r"""
       cursor.setAttribute("x1", X(t)); cursor.setAttribute("x2", X(t)); cursor.setAttribute("visibility", "visible");
       var rows = ["+" + elapsed(t)];
       lines.forEach(function (l) {
-        var best = null;
-        l.pts.forEach(function (p) { if (best === null || Math.abs(p[0] - t) < Math.abs(best[0] - t)) best = p; });
-        if (best) rows.push("rank " + l.rank + ": " + fmt(best[1]));
+        var best = -1, phases = data.series[l.rank].phase;
+        l.pts.forEach(function (p, j) { if (best < 0 || Math.abs(p[0] - t) < Math.abs(l.pts[best][0] - t)) best = j; });
+        if (best >= 0) rows.push("rank " + l.rank + ": " + fmt(l.pts[best][1]) + (unit && unit !== "step" ? " " + unit : "") +
+                                 "  (" + phases[best] + ")");
       });
       showTip(evt, rows.join("\n"));
     });
@@ -524,8 +567,9 @@ _SCRIPT = r"""
     drawn++;
   }
 
-  [["loss", "loss", ""], ["steptime", "step_s", "s"], ["progress", "step", "step"], ["ratio", "ratio", "x"]].forEach(function (c) {
-    try { lineChart(c[0], c[1], c[2]); } catch (e) { fail(c[0] + ": " + e.message); }
+  [["loss", "loss", ""], ["steptime", "step_s", "s", { robust: true }], ["progress", "step", "step"],
+   ["ratio", "ratio", "x"], ["age", "age_s", "s", { wide: true }]].forEach(function (c) {
+    try { lineChart(c[0], c[1], c[2], c[3]); } catch (e) { fail(c[0] + ": " + e.message); }
   });
   try { timeline(); } catch (e) { fail("timeline: " + e.message); }
   try { slowest(); } catch (e) { fail("slowest: " + e.message); }

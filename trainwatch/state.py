@@ -114,6 +114,18 @@ def update_job(job: str, **fields: Any) -> dict:
     return record
 
 
+def live_status(job: dict) -> str:
+    """A job.json left 'running' by a launcher that was SIGKILLed is reported as lost."""
+    status = job.get("status", "?")
+    if status in ("running", "starting"):
+        import psutil
+
+        pid = job.get("launcher_pid")
+        if pid and not psutil.pid_exists(pid):
+            return "lost"
+    return status
+
+
 def list_jobs() -> list[dict]:
     root = home() / "jobs"
     if not root.is_dir():

@@ -83,7 +83,7 @@ class Sidecar:
         self.tracer = None
         from trainwatch.watchdog.history import HistoryWriter, history_path
 
-        # ~1 sample/s per rank for `trainwatch report`; bounded in size.
+        # ~1 sample/s of every rank for `trainwatch report`; bounded in size.
         self.history = HistoryWriter(history_path(self.job_dir, self.node), clock=clock)
 
     # ---- wiring -------------------------------------------------------------------
@@ -352,8 +352,7 @@ class Sidecar:
             stop.wait(delay)
         try:  # one last round (exits reported as the job ended), then the final state
             self.tick()
-            self.history.interval_s = 0.0  # the last sample always lands
-            self.history.maybe_sample(self.last_table, self.straggler_ratios)
+            self.history.maybe_sample(self.last_table, self.straggler_ratios, force=True)
             self.write_snapshot()
         except Exception:
             log.exception("trainwatch sidecar: final snapshot failed")
