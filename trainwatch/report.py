@@ -14,7 +14,6 @@ import argparse
 import html
 import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -197,22 +196,6 @@ def _sanitize(value: Any) -> Any:
     return value
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
-    """Replace path with text (tmp + rename): a browser reloading the page
-    never sees half of it. The tmp file is removed if anything fails."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        try:
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, like every trainwatch error; not argparse's usage block
         raise SystemExit(_fail(f"{message} (usage: trainwatch report JOB [--out FILE.html])"))
@@ -238,7 +221,7 @@ def main(argv: list[str]) -> int:
     try:
         # The default lives in the private state directory; a chosen --out
         # file is the user's, with their umask.
-        write_atomic(out, render(_sanitize(data)), 0o600 if args.out is None else 0o666)
+        state.write_atomic(out, render(_sanitize(data)), mode=0o600 if args.out is None else 0o666)
     except OSError as e:
         return _fail(f"cannot write {out} ({e.strerror or e}); pick a writable --out path")
     points = sum(len(s["t"]) for s in data["series"].values())

@@ -74,23 +74,43 @@ def make_job_dir(job: str) -> Path:
     return d
 
 
+def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o600, durable: bool = False) -> None:
+    """Replace path with data: written to a temp file beside it (created with
+    `mode`, less the umask), optionally fsynced, then renamed over it, so a
+    reader sees the old file or the new one, never half of one. On failure the
+    temp file is removed and the old file is left as it was."""
+    payload = data.encode() if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
     """Replace path with data. durable=False skips the fsync (and the pretty
     printing): for snapshots rewritten every few seconds, where a crash may
     lose the last one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if durable:
         payload = json.dumps(data, indent=2, sort_keys=True, default=str)
     else:
         payload = json.dumps(data, separators=(",", ":"), default=str)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, payload.encode())
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_atomic(path, payload, durable=durable)
+
+
+def safe_filename(name: str, default: str = "node") -> str:
+    """A host or node name as one file name: never a path, never hidden."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100].lstrip(".") or default
 
 
 def read_json(path: Path) -> dict | None:
@@ -180,8 +200,7 @@ def targets_dir() -> Path:
 
 
 def _target_path(job: str, node: str) -> Path:
-    safe_node = re.sub(r"[^A-Za-z0-9._-]", "_", node)[:100] or "node"
-    return targets_dir() / f"{check_job_name(job)}@{safe_node}.json"
+    return targets_dir() / f"{check_job_name(job)}@{safe_filename(node)}.json"
 
 
 def write_scrape_target(job: str, node: str, address: str) -> Path | None:
@@ -193,13 +212,7 @@ def write_scrape_target(job: str, node: str, address: str) -> Path | None:
     record = [{"targets": [address], "labels": {"trainwatch_job": job, "node": node}}]
     try:
         path.parent.mkdir(mode=0o755 if os.environ.get("TRAINWATCH_TARGETS_DIR") else 0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, (json.dumps(record, indent=2) + "\n").encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(record, indent=2) + "\n", mode=0o644)
     except OSError:
         return None
     return path

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import os
 import sys
 from pathlib import Path
 
+from trainwatch import state
 from trainwatch.dashboards.panels import DATASOURCE_UID
 
 PROVIDER_PATH = "${TRAINWATCH_DASHBOARDS}"
@@ -78,9 +78,7 @@ def rendered() -> dict[str, str]:
 
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    state.write_atomic(path, text, mode=0o666)  # committed files: the user's umask, not the state dir's 0600
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from trainwatch import slots
+from trainwatch import slots, state
 
 log = logging.getLogger("trainwatch.history")
 
@@ -50,8 +50,7 @@ def history_dir(job_dir: Path) -> Path:
 
 def history_path(job_dir: Path, node: str) -> Path:
     """One file per node; a hostname never escapes the directory."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node)[:100].lstrip(".") or "node"
-    return history_dir(job_dir) / f"{safe}.jsonl"
+    return history_dir(job_dir) / f"{state.safe_filename(node)}.jsonl"
 
 
 def default_max_bytes() -> int:
@@ -194,17 +193,7 @@ def compact(path: Path, keep_recent: float = KEEP_RECENT) -> int:
     else:  # no time span to spread over (clock trouble): every other one
         kept = old[::2]
     data = b"".join(line for _, line in kept) + b"".join(lines[cut:])
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full disk leaves the old file, not a stray copy
-        raise
+    state.write_atomic(Path(path), data)  # a full disk leaves the old file, not a stray copy
     return len(data)
 
 
