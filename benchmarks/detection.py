@@ -6,8 +6,11 @@ For every fault kind a real 4-rank job of the integrated trainer runs with the
 fault injected inside one rank (alert-only mode). Latency runs from the moment
 the fault really began (recorded by the faulting process, CLOCK_MONOTONIC) to
 the incident (the sidecar's detection time, same clock). Then: a healthy
-200-step run with checkpoints and a slow first step (false incidents), the
-sidecar's CPU use at 8 ranks, and one detector round over 4096 synthetic ranks.
+200-step run with checkpoints and a slow first step (false incidents); the
+client corpus (tests/clients/: Fabric, Lightning, accelerate, FSDP, pipeline,
+eval loops, ...) run healthy and unmodified, twice, beside a CPU-hog process
+(false_incidents_clients, goal 0); the sidecar's CPU use at 8 ranks, and one
+detector round over 4096 synthetic ranks.
 
 Progress goes to stderr; the LAST stdout line is one JSON object.
 """
@@ -16,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
+import uuid
 
 import psutil
 
-from common import events, faults_fired, job_json, launch, log, new_home, stop, wait_for
+from common import ROOT, events, faults_fired, job_json, launch, log, new_home, stop, wait_for
 
 CULPRIT = 2
 TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", "100000", "--log-interval", "100000"]
@@ -79,6 +85,43 @@ def healthy_run(ranks: int) -> int:
     return len(found)
 
 
+def client_runs(rounds: int) -> dict:
+    """Every client script, healthy and unmodified, `rounds` times, with one
+    process spinning on a core beside it: incidents and restarts per script."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_clients_e2e import CLIENTS, SLOW_EVAL
+
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    per_script: dict[str, dict] = {}
+    try:
+        for r in range(rounds):
+            for script, (ranks, args, _inject, _culprit) in CLIENTS.items():
+                home = new_home("client")
+                job = f"{script[:-3].replace('_', '-')}-{uuid.uuid4().hex[:6]}"
+                t0 = time.monotonic()
+                proc = launch(home, "--nproc-per-node", str(ranks), "--job", job,
+                              str(ROOT / "tests" / "clients" / script), *args, *SLOW_EVAL.get(script, []))
+                try:
+                    out = proc.communicate(timeout=600)[0] or ""
+                except subprocess.TimeoutExpired:
+                    out = stop(proc)
+                found = events(home, job)
+                restarts = job_json(home, job).get("restarts", 0)
+                row = per_script.setdefault(script, {"incidents": 0, "restarts": 0, "exit_codes": [], "wall_s": []})
+                row["incidents"] += len(found)
+                row["restarts"] += restarts
+                row["exit_codes"].append(proc.returncode)
+                row["wall_s"].append(round(time.monotonic() - t0, 1))
+                for e in found:
+                    log(f"  FALSE incident in {script}: {e['kind']}: {e['summary']}")
+                log(f"  round {r + 1} {script}: rc={proc.returncode} incidents={len(found)} restarts={restarts} "
+                    f"({row['wall_s'][-1]}s)" + ("" if proc.returncode == 0 else f"\n{out[-1500:]}"))
+    finally:
+        hog.kill()
+        hog.wait()
+    return per_script
+
+
 def sidecar_cpu_fraction(ranks: int, seconds: float = 20.0) -> float:
     home = new_home("cpu")
     proc = launch(home, "--nproc-per-node", str(ranks), "--job", "cpu", *TRAINER)
@@ -107,6 +150,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for each incident")
     p.add_argument("--only", nargs="*", help="run only these faults")
     p.add_argument("--skip-healthy", action="store_true", help="skip the healthy run and the CPU measurement")
+    p.add_argument("--client-rounds", type=int, default=2, help="healthy runs of each client script (0 = skip)")
     args = p.parse_args()
     faults = {}
     for name, (spec, kind, torchrun) in FAULTS.items():
@@ -125,6 +169,12 @@ def main() -> None:
         log("sidecar CPU at 8 ranks ...")
         cpu = sidecar_cpu_fraction(8)
         log(f"  watchdog_cpu_fraction = {cpu:.4f}")
+    clients = None
+    if args.client_rounds > 0:
+        log(f"client corpus, healthy, {args.client_rounds} round(s) beside a CPU hog ...")
+        clients = client_runs(args.client_rounds)
+        total = sum(c["incidents"] for c in clients.values())
+        log(f"  false_incidents_clients = {total}")
     from trainwatch.watchdog.engine import benchmark_tick
 
     tick = benchmark_tick(4096, 50)
@@ -132,6 +182,9 @@ def main() -> None:
     print(json.dumps({
         "faults": faults,
         "false_incidents": false_incidents,
+        "false_incidents_clients": None if clients is None else sum(c["incidents"] for c in clients.values()),
+        "restarts_clients": None if clients is None else sum(c["restarts"] for c in clients.values()),
+        "clients": clients,
         "watchdog_cpu_fraction": None if cpu is None else round(cpu, 4),
         "tick_ms_4096_ranks": round(tick, 3),
     }))

@@ -48,12 +48,27 @@ def make_table(
     t["fr_ok"] = 1
     t["sampled_step"] = step
     t["ngroups"] = 1
+    t["io_bytes"] = -1
+    t["cpu_s"] = np.nan
+    if step > 0:
+        set_ring(t, step, colls=t["py_collectives"], seq=3 * step)
     seq = 3 * step if enqueued is None else enqueued
     t["groups"]["pg"][:, 0] = 0
     t["groups"]["enqueued"][:, 0] = seq
     t["groups"]["completed"][:, 0] = seq
     t["groups"]["last_op"][:, 0] = b"allreduce"
     return t
+
+
+def set_ring(table: np.ndarray, step, *, colls, seq, ranks=None) -> np.ndarray:
+    """Record the end-of-step counts of `step` in the rows of `ranks` (all by default)."""
+    rows = np.arange(len(table)) if ranks is None else np.nonzero(np.isin(table["rank"], ranks))[0]
+    slot = int(step) % slots.RING
+    ring = table["ring"]
+    ring["step"][rows, slot] = step
+    ring["colls"][rows, slot] = np.broadcast_to(colls, len(table))[rows] if np.ndim(colls) else colls
+    ring["seq"][rows, slot] = np.broadcast_to(seq, len(table))[rows] if np.ndim(seq) else seq
+    return table
 
 
 def set_rows(table: np.ndarray, ranks, *, group: int = 0, **fields) -> np.ndarray:
@@ -113,6 +128,9 @@ class SyncJob:
         t["py_collectives"][rows] += 2
         t["groups"]["enqueued"][rows, 0] += 3
         t["groups"]["completed"][rows, 0] = t["groups"]["enqueued"][rows, 0]
+        for r in rows:
+            set_ring(t, t["step"][r], colls=t["py_collectives"][r], seq=t["groups"]["enqueued"][r, 0],
+                     ranks=[t["rank"][r]])
         t["heartbeat_mono"] = self.now
         t["sampled_step"][rows] = t["step"][rows]
         return view(t, self.now)
@@ -177,4 +195,6 @@ class TimelineJob:
             t["step_s"][rank] = self.step_s
             t["heartbeat_mono"][rank] = now
             t["groups"]["enqueued"][rank, 0] = count
+            for s in range(max(1, done - slots.RING + 1), done + 1):  # the slot's ring of step ends
+                set_ring(t, s, colls=self._count(rank, s), seq=-1, ranks=[rank])
         return view(t, now)

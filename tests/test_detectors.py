@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from slot_tables import SyncJob, TimelineJob, make_table, rank_exit, set_rows, view
+from slot_tables import SyncJob, TimelineJob, make_table, rank_exit, set_ring, set_rows, view
 from trainwatch.watchdog.detectors import (
     REGISTRY,
     CollectiveMismatchDetector,
@@ -230,50 +230,92 @@ def test_hang_config_floor_is_respected():
 # ---- collective mismatch --------------------------------------------------------------
 
 
-def test_mismatch_equal_step_count_difference():
+def offset_steps(det, t, steps, *, ranks, delta, now=50.0, source="colls"):
+    """Every rank completes `steps` in turn; `ranks` end each with `delta` more
+    (or fewer) collectives than the others."""
+    found = []
+    for k, step in enumerate(steps):
+        colls = 2 * step + np.where(np.isin(t["rank"], ranks), delta, 0)
+        if source == "colls":
+            set_ring(t, step, colls=colls, seq=3 * step)
+        else:
+            set_ring(t, step, colls=2 * step, seq=3 * step + np.where(np.isin(t["rank"], ranks), delta, 0))
+        set_rows(t, list(t["rank"]), step=step, progress_mono=now + k)
+        found += det.check(view(t, now + k + 0.1))
+    return found
+
+
+def test_mismatch_needs_the_same_offset_at_several_steps():
     det = CollectiveMismatchDetector()
     t = make_table(4, now=50.0, step=7)
     assert det.check(view(t, 50.1)) == []
-    set_rows(t, 2, py_collectives=13)  # the others issued 14
-    [inc] = det.check(view(t, 50.2))
+    assert offset_steps(det, t, [8, 9], ranks=[2], delta=-1) == []  # two steps: not yet
+    [inc] = offset_steps(det, t, [10], ranks=[2], delta=-1, now=52.0)
     assert inc.kind == "collective_mismatch"
     assert inc.culprit_ranks == [2]
     assert inc.victims == [0, 1, 3]
     assert inc.runbook == "collective-mismatch"
     assert inc.category == "collective_mismatch"
-    assert inc.evidence["step"] == 7
-    assert "rank 2 issued fewer collectives" in inc.summary
+    assert inc.evidence["steps"] == [8, 9, 10]
+    assert inc.evidence["direction"] == "fewer"
+    assert "rank 2 issued fewer Python collectives on world-spanning groups than ranks 0,1,3" in inc.summary
 
 
 def test_mismatch_rank_with_an_extra_collective_is_the_minority():
     det = CollectiveMismatchDetector()
     t = make_table(4, now=50.0, step=7)
-    set_rows(t, 1, py_collectives=15)
-    [inc] = det.check(view(t, 50.1))
-    assert inc.culprit_ranks == [1]
-    assert inc.evidence["extra_collective"] is True
+    found = offset_steps(det, t, [8, 9, 10, 11], ranks=[1], delta=+1)
+    assert found and found[0].culprit_ranks == [1]
+    assert found[0].evidence["direction"] == "more"
+    assert "extra collective" in found[0].summary
 
 
-def test_mismatch_in_progress_rule():
+def test_mismatch_on_the_default_groups_sequence_numbers():
+    """DDP's gradient all-reduce never passes through Python: a skipped one shows
+    only in the default process group's sequence number."""
     det = CollectiveMismatchDetector()
     t = make_table(2, now=50.0, step=7)
-    # rank 0 completed step 7 having issued 14 collectives and has not moved on
-    # (no phase since the step ended); rank 1 is still inside step 7 and has
-    # already issued 15 (published at its last phase change)
-    set_rows(t, 1, step=6, progress_mono=49.0, phase="backward", phase_mono=49.8, py_collectives=15)
-    [inc] = det.check(view(t, 50.1))
-    assert inc.culprit_ranks == [0]
-    assert inc.victims == [1]
-    assert "rank 0 issued fewer collectives" in inc.summary
+    found = offset_steps(det, t, [8, 9, 10], ranks=[1], delta=-1, source="seq")
+    assert found and found[0].culprit_ranks == [1]
+    assert found[0].evidence["source"] == "default_pg_seq"
 
 
-def test_mismatch_count_read_after_a_phase_change_is_only_an_upper_bound():
+def test_mismatch_one_boundary_off_by_one_is_not_a_mismatch():
+    """A collective that lands on different sides of a step boundary on
+    different ranks (a background thread's, say) disagrees once, then agrees."""
     det = CollectiveMismatchDetector()
     t = make_table(2, now=50.0, step=7)
-    # rank 0 finished step 7 and has since entered step 8's collective phase
-    # and finished a call: 15 includes step 8's first collective
-    set_rows(t, 0, phase="optimizer", phase_mono=50.5, py_collectives=15)
-    assert det.check(view(t, 50.6)) == []
+    assert offset_steps(det, t, [8], ranks=[1], delta=-1) == []
+    assert offset_steps(det, t, [9, 10, 11, 12], ranks=[1], delta=0, now=51.0) == []
+    assert offset_steps(det, t, [13, 14], ranks=[1], delta=-1, now=60.0) == []
+
+
+def test_mismatch_collectives_after_the_step_are_not_counted_in_it():
+    """The live count of a rank that finished its step and then all-reduced a
+    metric is ahead of a peer that has not yet: only the exact end-of-step
+    counts are compared, so this never reads as a mismatch."""
+    det = CollectiveMismatchDetector()
+    t = make_table(2, now=50.0, step=7)
+    for k in range(20):
+        set_rows(t, 0, py_collectives=t["py_collectives"][0] + 1, phase="collective")
+        assert det.check(view(t, 50.1 + k * 0.1)) == []
+
+
+def test_mismatch_lagging_culprit_is_compared_when_it_posts():
+    """Ranks 0-2 agree on a step before rank 3 reaches it: that is not an
+    agreement of the whole job, so rank 3's offset still counts."""
+    det = CollectiveMismatchDetector()
+    t = make_table(4, now=50.0, step=7)
+    found = []
+    for k, step in enumerate(range(8, 12)):
+        colls = 2 * step
+        set_ring(t, step, colls=colls, seq=3 * step, ranks=[0, 1, 2])
+        set_rows(t, [0, 1, 2], step=step)
+        found += det.check(view(t, 50.0 + k))
+        set_ring(t, step, colls=colls - 1, seq=3 * step, ranks=[3])
+        set_rows(t, 3, step=step)
+        found += det.check(view(t, 50.5 + k))
+    assert found and found[0].culprit_ranks == [3]
 
 
 @pytest.mark.parametrize("offsets", [[0.0, 0.37, 0.8, 1.55], [0.0, 0.01, 0.02, 0.03], [0.5, 0.0, 0.99, 0.2]])
@@ -298,21 +340,21 @@ def test_mismatch_live_detection_of_a_skipped_collective():
     assert found, "the skip was never noticed"
     first = found[0]
     assert first.culprit_ranks == [1]
-    # noticed within the step the skip happened in or the next one
-    assert first.evidence["step"] in (8, 9)
-    assert first.detected_mono < 8 * job.step_s + 2.5
+    # the offset is there from the step of the skip on, and confirmed three steps later
+    assert first.evidence["steps"][0] == 8 and first.evidence["step"] == 10
+    assert first.detected_mono < 11 * job.step_s + 0.5
 
 
 def stalled_table(now: float) -> np.ndarray:
     t = make_table(4, now=now, step=30, phase="collective", enqueued=812)
-    set_rows(t, [0, 1, 2, 3], phase_mono=now + 0.5)
+    set_rows(t, [0, 1, 2, 3], phase_mono=now + 0.5, completed=811)  # each waits for its last launch
     return t
 
 
 def test_mismatch_ras_style_enqueued_seq_difference():
     det = CollectiveMismatchDetector()
     t = stalled_table(100.0)
-    set_rows(t, 3, enqueued=811)
+    set_rows(t, 3, enqueued=811, completed=810)
     seen = []
     for i in range(1, 60):
         v = view(t, 100.0 + i * 0.1)
@@ -321,7 +363,8 @@ def test_mismatch_ras_style_enqueued_seq_difference():
     assert seen
     when, inc = seen[0]
     assert when >= 103.0 - 1e-9  # not before the stall time
-    assert inc.summary == "collective mismatch in pg 0: 3 ranks have launched up to operation 812; rank 3 only up to 811"
+    assert inc.summary == ("collective mismatch in pg 0: 3 ranks have launched up to operation 812; "
+                           "rank 3 only up to 811 (all of them waiting in a collective)")
     assert inc.culprit_ranks == [3]
     assert inc.victims == [0, 1, 2]
     assert inc.evidence["source"] == "flight_recorder"
@@ -346,7 +389,7 @@ def test_mismatch_ras_style_op_difference_names_minority():
 def test_mismatch_ras_ignores_ranks_in_data_loading_and_long_steps():
     det = CollectiveMismatchDetector()
     t = stalled_table(100.0)
-    set_rows(t, 3, enqueued=811, phase="data")  # a dataloader hang, not a desync
+    set_rows(t, 3, enqueued=811, completed=811, phase="data")  # a dataloader hang, not a desync
     for i in range(1, 50):
         v = view(t, 100.0 + i * 0.1)
         v.table["heartbeat_mono"] = v.now
@@ -354,7 +397,7 @@ def test_mismatch_ras_ignores_ranks_in_data_loading_and_long_steps():
     for phase in ("compute", "forward", "optimizer"):  # still computing: a hang
         det = CollectiveMismatchDetector()
         t = stalled_table(100.0)
-        set_rows(t, 3, enqueued=811, phase=phase)
+        set_rows(t, 3, enqueued=811, completed=811, phase=phase)
         for i in range(1, 50):
             v = view(t, 100.0 + i * 0.1)
             v.table["heartbeat_mono"] = v.now
@@ -362,8 +405,49 @@ def test_mismatch_ras_ignores_ranks_in_data_loading_and_long_steps():
     det = CollectiveMismatchDetector()
     t = stalled_table(100.0)
     set_rows(t, [0, 1, 2, 3], step_s=4.0)  # 4 s steps: 5 s without one is normal
-    set_rows(t, 3, enqueued=811)
+    set_rows(t, 3, enqueued=811, completed=810)
     for i in range(1, 50):
+        v = view(t, 100.0 + i * 0.1)
+        v.table["heartbeat_mono"] = v.now
+        assert det.check(v) == []
+
+
+def test_mismatch_ras_rank_computing_in_backward_is_not_parked():
+    """The healthy-run false alarm: rank 0 still computes its backward under CPU
+    load (nothing outstanding) while rank 1 already launched two more
+    all-reduces. Rank 0 is slow, not desynchronised."""
+    det = CollectiveMismatchDetector()
+    t = make_table(2, now=100.0, step=30, phase="backward", enqueued=356)
+    set_rows(t, 1, enqueued=358, completed=357)
+    for i in range(1, 80):
+        v = view(t, 100.0 + i * 0.1)
+        v.table["heartbeat_mono"] = v.now
+        assert det.check(v) == []
+
+
+def test_mismatch_ras_parked_ranks_on_different_sequence_numbers():
+    det = CollectiveMismatchDetector()
+    t = make_table(2, now=100.0, step=30, phase="backward", enqueued=356)
+    set_rows(t, 0, completed=355)  # waiting for 356 to complete
+    set_rows(t, 1, enqueued=358, completed=357)
+    found = []
+    for i in range(1, 80):
+        v = view(t, 100.0 + i * 0.1)
+        v.table["heartbeat_mono"] = v.now
+        found += [(v.now, inc) for inc in det.check(v)]
+    assert found and found[0][1].culprit_ranks == [0]
+    assert found[0][0] >= 104.0 - 1e-9
+
+
+def test_mismatch_ras_abstains_while_a_rank_is_stuck_elsewhere():
+    """Pipeline: rank 3 hangs in data loading; its stage peer rank 2 waits in a
+    recv (no collective outstanding), so rank 0's data-parallel all-reduce with
+    rank 2 waits at a later sequence number. A hang of rank 3, not a desync."""
+    det = CollectiveMismatchDetector()
+    t = make_table(4, now=100.0, step=12, phase="collective", enqueued=44)
+    set_rows(t, 0, enqueued=45, completed=44)  # waits in the all-reduce with rank 2
+    set_rows(t, 3, phase="data")
+    for i in range(1, 80):
         v = view(t, 100.0 + i * 0.1)
         v.table["heartbeat_mono"] = v.now
         assert det.check(v) == []
@@ -757,3 +841,133 @@ def test_nan_source_is_the_rank_that_went_bad_first():
     t["peak_loss_step"][:] = [31, 31, 30, 31]
     [inc] = [i for i in det.check(view(t, 13.2)) if i.kind == "loss_nan"]
     assert inc.culprit_ranks == [2] and inc.victims == [0, 1, 3]
+
+
+# ---- hang: honest pauses (evaluation, busy ranks, working slow phases, stopped) ----------
+
+
+def test_hang_eval_batches_are_progress():
+    """A validation pass: no optimizer step for far longer than the threshold,
+    but every batch (and finished no_grad forward) is progress."""
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, [0, 1, 2, 3], phase="eval", phase_mono=t0 + 0.1)
+    for k in range(1, 300):  # 30 s of 0.1 s eval batches
+        set_rows(job.table, [0, 1, 2, 3], active_mono=t0 + k * 0.1)
+        assert det.check(job.at(t0 + k * 0.1 + 0.05)) == []
+
+
+def test_hang_after_eval_stops_progressing_says_for_how_long():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, [0, 1, 2, 3], active_mono=t0 + 3.0)
+    set_rows(job.table, 2, phase="data", phase_mono=t0 + 3.0)
+    set_rows(job.table, [0, 1, 3], phase="collective", phase_mono=t0 + 3.5)
+    [inc] = det.check(job.at(t0 + 9.0))
+    assert inc.culprit_ranks == [2]
+    assert "no progress for 6.0 s" in inc.summary  # measured from its last batch, not "0.0 s"
+
+
+def busy(job, ranks, t0, seconds, *, cpu=1.0, io=0.0):
+    """Heartbeats every 0.2 s with CPU time (and I/O) advancing at these rates."""
+    out = []
+    for k in range(1, int(seconds / 0.2) + 1):
+        now = t0 + k * 0.2
+        set_rows(job.table, ranks, cpu_s=k * 0.2 * cpu, io_bytes=int(k * 0.2 * io))
+        out.append(job.at(now))
+    return out
+
+
+def test_hang_busy_rank_nobody_waits_for_is_not_hung():
+    """One rank computes a long metric in plain Python (no phase marker, no
+    batches): its CPU time advances and nobody waits, so it is not a hang."""
+    det, job = hung_job(n=2)
+    t0 = job.now
+    set_rows(job.table, [0, 1], phase="compute", phase_mono=t0 + 0.1)
+    for v in busy(job, [0, 1], t0, 60.0):
+        assert det.check(v) == []
+
+
+def test_hang_busy_rank_with_peers_waiting_is_the_culprit():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, [0, 1, 3], phase="backward", phase_mono=t0 + 0.3)
+    set_rows(job.table, 2, phase="compute", phase_mono=t0 + 0.1)
+    found = []
+    for v in busy(job, [2], t0, 10.0):
+        found += [(v.now, inc) for inc in det.check(v)]
+    assert found
+    when, inc = found[0]
+    assert when - t0 < 6.0
+    assert inc.culprit_ranks == [2] and inc.victims == [0, 1, 3]
+
+
+def test_hang_checkpoint_being_written_keeps_its_allowance_while_peers_wait():
+    """Rank 0 writes a large checkpoint (I/O moving) while the others already
+    wait in the next step's all-reduce: slow, not hung, for up to slow_phase_s."""
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, 0, phase="checkpoint", phase_mono=t0 + 0.1)
+    set_rows(job.table, [1, 2, 3], phase="backward", phase_mono=t0 + 0.3)
+    views = busy(job, [0], t0, 50.0, cpu=0.05, io=50e6)
+    assert all(det.check(v) == [] for v in views)
+
+
+def test_hang_checkpoint_write_blocked_with_peers_waiting_fires_at_normal_threshold():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, 0, phase="checkpoint", phase_mono=t0 + 0.1)
+    set_rows(job.table, [1, 2, 3], phase="backward", phase_mono=t0 + 0.3)
+    found = []
+    for v in busy(job, [0], t0, 10.0, cpu=0.0, io=0.0):
+        found += [(v.now, inc) for inc in det.check(v)]
+    assert found and found[0][0] - t0 < 6.0
+    assert found[0][1].culprit_ranks == [0] and found[0][1].category == "checkpoint_io"
+
+
+def test_hang_ranks_waiting_for_a_working_rank_are_not_hung():
+    """Rank 0 evaluates alone (batches keep coming); the others wait at a
+    barrier for 40 s. Nobody is hung."""
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, [1, 2, 3], phase="collective", phase_mono=t0 + 0.1)
+    set_rows(job.table, 0, phase="eval", phase_mono=t0 + 0.1)
+    for k in range(1, 400):
+        set_rows(job.table, 0, active_mono=t0 + k * 0.1)
+        assert det.check(job.at(t0 + k * 0.1 + 0.05)) == []
+
+
+def test_hang_stopped_rank_is_named_stopped():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, [0, 1, 3], phase="backward", phase_mono=t0 + 0.3)
+    v = job.at(t0 + 6.0)
+    set_rows(v.table, 2, heartbeat_mono=t0 + 0.2, pid=4242)
+    v.proc_state = lambda pid: "stopped" if pid == 4242 else "sleeping"
+    [inc] = det.check(v)
+    assert inc.culprit_ranks == [2]
+    assert inc.category == "stopped" and inc.runbook == "stopped"
+    assert inc.evidence["pattern"] == "stopped"
+    assert "is stopped (process state T" in inc.summary
+
+
+def test_hang_gil_holder_that_is_not_stopped_holds_the_gil():
+    det, job = hung_job()
+    t0 = job.now
+    set_rows(job.table, [0, 1, 3], phase="backward", phase_mono=t0 + 0.3)
+    v = job.at(t0 + 6.0)
+    set_rows(v.table, 2, heartbeat_mono=t0 + 0.2, phase="compute")
+    v.proc_state = lambda pid: "running"
+    [inc] = det.check(v)
+    assert inc.category == "gc_collect" and "holds the GIL (no heartbeat" in inc.summary
+
+
+def test_hang_first_collective_gets_the_warmup_allowance():
+    """Before the first step (DDP's warm-up pass, first NCCL/gloo connections)
+    every rank may sit in a collective for a while: that is start-up."""
+    det = HangDetector()
+    job = SyncJob(4)
+    set_rows(job.table, [0, 1, 2, 3], phase="backward", phase_mono=1.0)
+    set_rows(job.table, [2, 3], enqueued=6)
+    for k in range(1, 100):
+        assert det.check(job.at(1.0 + k * 0.5)) == []

@@ -111,3 +111,50 @@ def test_runbook_command(home, capsys):
     assert main(["runbook", "gpu-xid"]) == 0
     assert "## Fix" in capsys.readouterr().out
     assert main(["runbook", "nope"]) == 2
+
+
+# ---- the edges of a job: starting, finished, restarting ------------------------------
+
+
+def test_job_phase_at_the_edges():
+    import time as _time
+
+    from trainwatch.diagnostics.diagnose import phase_of_job
+
+    now = _time.time()
+    job = {"status": "running", "start_time": now - 3, "workers_started_time": now - 2, "nproc_per_node": 2,
+           "ranks": [{"rank": 0}, {"rank": 1}]}
+    importing = [{"rank": 0, "step": 0, "phase": "init", "batches": 0}]
+    assert phase_of_job(job, importing, True) == "starting"  # one of two attached, none stepped
+    first_batches = [{"rank": r, "step": 0, "phase": "eval", "batches": 3} for r in (0, 1)]
+    assert phase_of_job(job, first_batches, True) == "running"  # working: a verdict is due
+    done = [{"rank": r, "step": 50, "phase": "done"} for r in (0, 1)]
+    assert phase_of_job(job, done, True) == "finished"
+    assert phase_of_job({**job, "status": "restarting"}, done, True) == "restarting"
+    old = {**job, "workers_started_time": now - 600}
+    assert phase_of_job(old, importing, True) == "running"  # ten minutes in init is not starting any more
+    assert phase_of_job({**job, "status": "succeeded"}, done, False) == "succeeded"
+
+
+def test_prescan_reads_the_job_name_without_torch():
+    from trainwatch.watchdog.launcher import prescan_job
+
+    assert prescan_job(["--nproc-per-node", "2", "--job", "a1", "train.py", "--job", "x"]) == "a1"
+    assert prescan_job(["--standalone", "--job=b2", "-m", "pkg"]) == "b2"
+    assert prescan_job(["train.py", "--job", "x"]) is None  # the script's own flag
+    assert prescan_job(["-m", "pkg", "--job", "x"]) is None
+    assert prescan_job(["--nnodes=1", "--no-restart", "--job", "c3"]) == "c3"
+
+
+def test_diagnose_knows_a_job_the_moment_launch_starts(home, capsys):
+    from trainwatch import state
+    from trainwatch.diagnostics import diagnose
+
+    marker = state.announce_launch("early-job")
+    try:
+        assert diagnose.main("early-job", as_json=True) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["status"] == "starting" and report["verdict"]["category"] == "starting"
+    finally:
+        state.withdraw_launch(marker, failed=True)
+    assert not (home / "jobs" / "early-job").exists()  # a failed launch leaves nothing behind

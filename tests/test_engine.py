@@ -183,3 +183,25 @@ def test_same_detection_handed_back_after_a_gap_is_not_a_new_incident():
         table["step"] = 10 + i * 5  # steps advance, which would otherwise re-arm the key
         emitted += engine.tick(TickView.from_table(100.0 + i, table))
     assert emitted == [held]
+
+
+def test_mismatch_mutes_the_hang_it_causes():
+    from trainwatch.watchdog.incident import Incident
+
+    class Fixed:
+        name = "fixed"
+
+        def __init__(self, kinds):
+            self.kinds = kinds
+
+        def check(self, view):
+            return [Incident(kind=k, culprit_ranks=[1], summary=k, severity="high") for k in self.kinds]
+
+    engine = DetectorEngine([Fixed(["hang", "collective_mismatch"])])
+    t = make_table(2, now=10.0, step=5)
+    got = engine.tick(view(t, 11.0))
+    assert [i.kind for i in got] == ["collective_mismatch"]
+    engine.detectors = [Fixed(["hang"])]
+    assert engine.tick(view(t, 12.0)) == []  # still the same stall
+    set_rows(t, [0, 1], step=6, progress_mono=13.0)  # training moved on
+    assert [i.kind for i in engine.tick(view(t, 13.5))] == ["hang"]

@@ -518,3 +518,23 @@ def test_golden_stack(path):
     for want in expected:
         assert any(all(got.get(k) == v for k, v in want.items()) for got in produced), (
             f"{path.name}: no finding matches {want}; got {produced}")
+
+
+def test_diagnose_captures_are_pruned(tmp_path):
+    from trainwatch.diagnostics.capture import KEEP_CAPTURES, capture_dir
+
+    for _ in range(12):
+        capture_dir(tmp_path, "diagnose").mkdir(parents=True)
+    incident = capture_dir(tmp_path, "hang")
+    incident.mkdir(parents=True)
+    kept = [p for p in (tmp_path / "stacks").iterdir() if "-diagnose-" in p.name]
+    assert len(kept) == KEEP_CAPTURES["diagnose"] - 1 or len(kept) == KEEP_CAPTURES["diagnose"]
+    assert incident.exists()
+
+
+def test_stopped_process_is_its_own_stack_group():
+    from trainwatch.diagnostics.stacks import STOPPED_ERROR, ProcessStack, group_stacks
+
+    groups = group_stacks({1: ProcessStack(11, 1, None, (), error=f"{STOPPED_ERROR} (state T)"),
+                           0: ProcessStack(10, 0, None, (), error="py-spy timed out")})
+    assert {g.category for g in groups} == {"stopped", "other"}

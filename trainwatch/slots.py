@@ -4,16 +4,21 @@ Why shared memory: the sidecar must read a rank's progress while that rank is
 stuck in C++ (a collective), holds the GIL (a long gc pause) or is stopped. An
 RPC or a pipe needs the rank's cooperation; a mapped file does not.
 
-Each slot has three regions, each with exactly one writer:
+Each slot has four regions, each with exactly one writer:
 
-  A  step region     training thread   (seqlock A)  step, loss, phase, ...
-  B  sampler region  sampler thread    (seqlock B)  heartbeat, collective seq
-  C  control region  sidecar -> rank   (plain)      emergency checkpoint requests
+  A  step region      training thread   (seqlock A)  step, loss, phase, end-of-step collective counts
+  P  activity marks   training thread   (plain)      last forward-only progress, batches seen
+  B  sampler region   sampler thread    (seqlock B)  heartbeat, CPU time, collective seq per group
+  C  control region   sidecar <-> rank  (plain)      emergency checkpoint requests, read acks
+
+Every field is declared once, in LAYOUT below; offsets, the struct formats the
+writers use and the numpy dtype the sidecar reads with are all derived from it.
 
 A seqlock lets the single writer publish without locks or syscalls: bump the
 sequence to odd, write, bump to even. A reader retries while the sequence is
 odd or changed under it. On x86 (TSO) stores through the mapping become visible
-in program order, which is all a seqlock needs here.
+in program order, which is all a seqlock needs here. Region P holds single
+aligned 8-byte words, each of which is whole on its own.
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAGIC = b"TWSLOT01"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 HEADER = struct.Struct("<8sIII")  # magic, version, nslots, slot_size
 HEADER_SIZE = 64
-SLOT_SIZE = 512
+SLOT_SIZE = 768
 MAX_GROUPS = 4
+"""Process groups published per rank (the flight recorder's first groups by id)."""
+RING = 4
+"""End-of-step collective counts kept per rank: ranks within this many steps of
+each other can be compared at equal step numbers."""
 OP_NAME_BYTES = 16
 
 PHASES = (
@@ -50,79 +59,187 @@ WAIT_PHASES = frozenset({"backward", "collective"})
 # Phases with honest long pauses; the hang detector is lenient there.
 SLOW_PHASES = frozenset({"init", "checkpoint", "eval"})
 
-# Region A: seq, pid, rank, local_rank, world_size, restart, step, loss,
-# grad_norm, step_s, compute_s, progress_mono, start_mono, phase, pad,
-# phase_mono, py_collectives
-SEQ = struct.Struct("<Q")
-A_BODY = struct.Struct("<qiiiiqddddddiidq")
-A_OFF = 0
-A_BODY_OFF = A_OFF + SEQ.size
-# Hot-path sub-structs of region A (the identity fields are written once).
-A_DYN = struct.Struct("<qddddddiidqdqdq")  # step .. py_collectives, then the peaks
-A_DYN_OFF = A_BODY_OFF + 24
-A_PHASE = struct.Struct("<iidq")  # phase, pad, phase_mono, py_collectives
-A_PHASE_OFF = A_BODY_OFF + 80
-# Region B: seq, heartbeat_mono, fr_ok, ngroups, sampled_step, then groups
-B_OFF = 160
-B_HEAD = struct.Struct("<diiq")
-B_HEAD_OFF = B_OFF + SEQ.size
-GROUP = struct.Struct("<iiqq16s")  # pg id, pad, enqueued, completed, last op
-B_GROUPS_OFF = B_HEAD_OFF + B_HEAD.size
-# Region C: ckpt_request, ckpt_done, ckpt_status, pad, ckpt_step, then read_ack
-C_OFF = 384
-CONTROL = struct.Struct("<QQiiq")
-# The sidecar bumps read_ack after every read; the rank keeps the worst loss and
-# grad norm (and their steps) seen since the last bump. A one-step spike shorter
-# than the sidecar's read interval is thus never lost to sampling.
-ACK_OFF = C_OFF + CONTROL.size
+STEP_COUNTED, STEP_REPORTED = 0, 1
+"""step_source: steps counted by trainwatch's zero-code hooks (optimizer steps
+since this process started), or reported by the script (tw.step(step=N))."""
 
 CKPT_IDLE, CKPT_WRITING, CKPT_OK, CKPT_FAILED = 0, 1, 2, 3
 
 
-def _numpy_dtype():
-    """The slot layout as a numpy structured dtype: the sidecar copies the whole
-    segment in one memcpy and detectors work on columns, so a 4096-rank tick
-    costs milliseconds, not a Python loop over slots."""
+def phase_name(code: int) -> str:
+    """Phase name for a slot's phase code ('init' for codes from a newer layout)."""
+    code = int(code)
+    return PHASES[code] if 0 <= code < len(PHASES) else "init"
+
+
+# ---- the layout, declared once ---------------------------------------------------
+#
+# (name, struct code, count) per region, in order. A tuple code is a record
+# (its own field list) repeated `count` times. Offsets follow natural
+# alignment; each region starts on a 64-byte boundary.
+
+GROUP_FIELDS = (
+    ("pg", "i", 1),  # process group id (flight recorder's; 0 is the default group)
+    ("_pad", "i", 1),
+    ("enqueued", "q", 1),  # sequence number of the last collective this rank launched
+    ("completed", "q", 1),  # ... and of the last one that finished on this rank
+    ("last_op", f"{OP_NAME_BYTES}s", 1),  # name of the last launched collective
+)
+RING_FIELDS = (
+    ("step", "q", 1),  # the step this entry closes (0: empty)
+    ("colls", "q", 1),  # Python collectives on world-spanning groups issued by the end of it
+    ("seq", "q", 1),  # the default process group's sequence number at its end (-1: unknown)
+)
+
+LAYOUT = {
+    "A": (
+        ("seq_a", "Q", 1),
+        ("pid", "q", 1),
+        ("rank", "i", 1),
+        ("local_rank", "i", 1),
+        ("world_size", "i", 1),
+        ("restart", "i", 1),
+        ("step", "q", 1),  # last completed step (0: none yet)
+        ("loss", "d", 1),
+        ("grad_norm", "d", 1),
+        ("step_s", "d", 1),  # duration of the last step
+        ("compute_s", "d", 1),  # ... less time in phases that wait on peers
+        ("progress_mono", "d", 1),  # when the last step completed
+        ("start_mono", "d", 1),  # when the process attached
+        ("phase", "i", 1),
+        ("step_source", "i", 1),  # STEP_COUNTED or STEP_REPORTED
+        ("phase_mono", "d", 1),  # when the current phase began
+        ("py_collectives", "q", 1),  # Python collectives issued so far (all groups)
+        ("peak_loss", "d", 1),  # worst loss since the sidecar's last read (see read_ack)
+        ("peak_loss_step", "q", 1),
+        ("peak_grad", "d", 1),
+        ("peak_grad_step", "q", 1),
+        ("first_step", "q", 1),  # the first step this process completed (where it resumed + 1)
+        ("ring", RING_FIELDS, RING),  # end-of-step collective counts, entry = step % RING
+    ),
+    "P": (
+        ("active_mono", "d", 1),  # last forward-only progress (a batch fetched, a no_grad block done)
+        ("batches", "q", 1),  # DataLoader batches fetched
+    ),
+    "B": (
+        ("seq_b", "Q", 1),
+        ("heartbeat_mono", "d", 1),
+        ("fr_ok", "i", 1),
+        ("ngroups", "i", 1),
+        ("sampled_step", "q", 1),
+        ("cpu_s", "d", 1),  # process CPU time (user + system) at the heartbeat
+        ("io_bytes", "q", 1),  # bytes the process read + wrote through syscalls so far (-1: unknown)
+        ("groups", GROUP_FIELDS, MAX_GROUPS),
+    ),
+    "C": (
+        ("ckpt_request", "Q", 1),
+        ("ckpt_done", "Q", 1),
+        ("ckpt_status", "i", 1),
+        ("ckpt_ready", "i", 1),  # 1 once the rank registered state an emergency checkpoint can write
+        ("ckpt_step", "q", 1),
+        # The sidecar bumps read_ack after every read; the rank keeps the worst
+        # loss and grad norm since the last bump, so a one-step spike shorter
+        # than the read interval is never lost to sampling.
+        ("read_ack", "Q", 1),
+    ),
+}
+
+
+def _record_size(fields) -> tuple[int, dict[str, int]]:
+    offsets, pos = {}, 0
+    for name, code, count in fields:
+        size, align = _size_align(code)
+        pos = (pos + align - 1) // align * align
+        offsets[name] = pos
+        pos += size * count
+    return (pos + 7) // 8 * 8, offsets
+
+
+def _size_align(code) -> tuple[int, int]:
+    if isinstance(code, tuple):
+        return _record_size(code)[0], 8
+    size = struct.calcsize("<" + code)
+    return size, min(size, 8) if not code.endswith("s") else 1
+
+
+def _derive():
+    offsets: dict[str, int] = {}
+    pos = 0
+    for region, fields in LAYOUT.items():
+        pos = (pos + 63) // 64 * 64
+        offsets["region_" + region] = pos
+        size, rel = _record_size(fields)
+        for name, off in rel.items():
+            offsets[name] = pos + off
+        pos += size
+    if pos > SLOT_SIZE:
+        raise AssertionError(f"slot layout needs {pos} bytes; SLOT_SIZE is {SLOT_SIZE}")
+    return offsets
+
+
+OFFSETS = _derive()
+_CODES = {name: (code, count) for fields in LAYOUT.values() for name, code, count in fields}
+
+
+def run(first: str, last: str) -> tuple[int, struct.Struct]:
+    """(offset, Struct) packing the scalar fields first..last of one region in
+    one call, padding included: what the writers use on the hot path."""
+    names = [n for fields in LAYOUT.values() for n, _c, _k in fields]
+    sel = names[names.index(first): names.index(last) + 1]
+    fmt, pos = "<", OFFSETS[first]
+    for name in sel:
+        code, count = _CODES[name]
+        if isinstance(code, tuple) or count != 1:
+            raise ValueError(f"{name} is not a scalar field")
+        gap = OFFSETS[name] - pos
+        size = struct.calcsize("<" + code)
+        # Padding fields ("_pad") are skipped bytes, never values.
+        fmt += "x" * gap + ("x" * size if name.startswith("_") else code)
+        pos = OFFSETS[name] + size
+    return OFFSETS[first], struct.Struct(fmt)
+
+
+def _np_format(code, count):
     import numpy as np
 
-    group = np.dtype(
-        {"names": ["pg", "enqueued", "completed", "last_op"], "formats": ["<i4", "<i8", "<i8", "S16"],
-         "offsets": [0, 8, 16, 24], "itemsize": GROUP.size}
-    )
-    fields = [
-        ("seq_a", "<u8", 0), ("pid", "<i8", 8), ("rank", "<i4", 16), ("local_rank", "<i4", 20),
-        ("world_size", "<i4", 24), ("restart", "<i4", 28), ("step", "<i8", 32), ("loss", "<f8", 40),
-        ("grad_norm", "<f8", 48), ("step_s", "<f8", 56), ("compute_s", "<f8", 64),
-        ("progress_mono", "<f8", 72), ("start_mono", "<f8", 80), ("phase", "<i4", 88),
-        ("phase_mono", "<f8", 96), ("py_collectives", "<i8", 104),
-        ("seq_b", "<u8", B_OFF), ("heartbeat_mono", "<f8", B_HEAD_OFF), ("fr_ok", "<i4", B_HEAD_OFF + 8),
-        ("ngroups", "<i4", B_HEAD_OFF + 12), ("sampled_step", "<i8", B_HEAD_OFF + 16),
-        ("groups", (group, (MAX_GROUPS,)), B_GROUPS_OFF),
-        ("ckpt_request", "<u8", C_OFF), ("ckpt_done", "<u8", C_OFF + 8), ("ckpt_status", "<i4", C_OFF + 16),
-        ("ckpt_step", "<i8", C_OFF + 24),
-        ("peak_loss", "<f8", A_DYN_OFF + 80), ("peak_loss_step", "<i8", A_DYN_OFF + 88),
-        ("peak_grad", "<f8", A_DYN_OFF + 96), ("peak_grad_step", "<i8", A_DYN_OFF + 104),
-        ("read_ack", "<u8", ACK_OFF),
-    ]
-    return np.dtype(
-        {"names": [f[0] for f in fields], "formats": [f[1] for f in fields],
-         "offsets": [f[2] for f in fields], "itemsize": SLOT_SIZE}
-    )
+    if isinstance(code, tuple):
+        size, rel = _record_size(code)
+        sub = np.dtype({"names": [n for n, _c, _k in code if not n.startswith("_")],
+                        "formats": [_np_format(c, k) for n, c, k in code if not n.startswith("_")],
+                        "offsets": [rel[n] for n, _c, _k in code if not n.startswith("_")], "itemsize": size})
+        return (sub, (count,))
+    return "<" + ("S" + code[:-1] if code.endswith("s") else {"Q": "u8", "q": "i8", "i": "i4", "d": "f8"}[code])
 
 
 _DTYPE = None
 
 
 def slot_dtype():
+    """The slot layout as a numpy structured dtype: the sidecar copies the whole
+    segment in one memcpy and detectors work on columns, so a 4096-rank tick
+    costs milliseconds, not a Python loop over slots."""
     global _DTYPE
     if _DTYPE is None:
-        _DTYPE = _numpy_dtype()
+        import numpy as np
+
+        names = [n for n, (c, k) in _CODES.items() if not n.startswith("_")]
+        _DTYPE = np.dtype({"names": names, "formats": [_np_format(*_CODES[n]) for n in names],
+                           "offsets": [OFFSETS[n] for n in names], "itemsize": SLOT_SIZE})
     return _DTYPE
 
-assert A_BODY_OFF + A_BODY.size <= B_OFF
-assert B_GROUPS_OFF + MAX_GROUPS * GROUP.size <= C_OFF
-assert A_DYN_OFF + A_DYN.size <= B_OFF
-assert ACK_OFF + 8 <= SLOT_SIZE
+
+# Writers' structs, derived from the layout.
+SEQ = struct.Struct("<Q")
+A_IDENT_OFF, A_IDENT = run("pid", "restart")
+A_DYN_OFF, A_DYN = run("step", "first_step")
+A_PHASE_OFF, A_PHASE = run("phase", "py_collectives")
+RING_OFF = OFFSETS["ring"]
+RING_ENTRY = struct.Struct("<qqq")
+B_HEAD_OFF, B_HEAD = run("heartbeat_mono", "io_bytes")
+GROUP = struct.Struct("<ii" + "qq" + f"{OP_NAME_BYTES}s")
+GROUPS_OFF = OFFSETS["groups"]
+C_OFF, CONTROL = run("ckpt_request", "ckpt_step")
+ACK_OFF = OFFSETS["read_ack"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,40 +254,6 @@ class CollectiveGroup:
     """Sequence number of the last collective that finished on this rank."""
     last_op: str
     """Name of the last launched collective (e.g. 'allreduce'), '' if unknown."""
-
-
-@dataclass(frozen=True, slots=True)
-class RankSnapshot:
-    """One consistent read of a rank's slot. Times are CLOCK_MONOTONIC seconds."""
-
-    local_rank: int
-    pid: int
-    rank: int
-    world_size: int
-    restart: int
-    step: int
-    loss: float
-    grad_norm: float
-    step_s: float
-    compute_s: float
-    progress_mono: float
-    start_mono: float
-    phase: str
-    phase_mono: float
-    py_collectives: int
-    heartbeat_mono: float
-    fr_ok: bool
-    sampled_step: int
-    groups: tuple[CollectiveGroup, ...] = field(default_factory=tuple)
-    node: str = ""
-    peak_loss: float = math.nan
-    """Worst loss since the sidecar's previous read (see ACK_OFF)."""
-    peak_loss_step: int = 0
-    """Step of peak_loss; 0 when none was reported."""
-
-    @property
-    def alive(self) -> bool:
-        return self.pid > 0
 
 
 def default_segment_dir() -> str:
@@ -210,6 +293,9 @@ class Segment:
         if magic != MAGIC or version != LAYOUT_VERSION or slot_size != SLOT_SIZE:
             self._mm.close()
             raise ValueError(f"{path} has an unknown slot layout (magic={magic!r}, version={version})")
+        if HEADER_SIZE + nslots * SLOT_SIZE > size:
+            self._mm.close()
+            raise ValueError(f"{path} is truncated: its header claims {nslots} slots, the file holds fewer")
         self.nslots = nslots
         self.buf = memoryview(self._mm)
         self._ack_idx = None
@@ -228,64 +314,7 @@ class Segment:
         except (BufferError, ValueError):
             pass  # a live export (e.g. a writer still holding a view) keeps it mapped
 
-    # ---- reading (sidecar) -------------------------------------------------
-
-    def read(self, index: int, retries: int = 64) -> RankSnapshot | None:
-        """Consistent snapshot of a slot, or None if it was never written.
-
-        Bounded retries: a writer that died mid-write leaves an odd sequence
-        forever; after the retries we return the torn read rather than block.
-        """
-        base = self.offset(index)
-        buf = self.buf
-        a = b = None
-        for _ in range(retries):
-            s1 = SEQ.unpack_from(buf, base + A_OFF)[0]
-            a = A_BODY.unpack_from(buf, base + A_BODY_OFF)
-            s2 = SEQ.unpack_from(buf, base + A_OFF)[0]
-            if s1 == s2 and not s1 & 1:
-                break
-        for _ in range(retries):
-            s1 = SEQ.unpack_from(buf, base + B_OFF)[0]
-            b = B_HEAD.unpack_from(buf, base + B_HEAD_OFF)
-            ngroups = max(0, min(b[2], MAX_GROUPS))
-            groups = tuple(
-                GROUP.unpack_from(buf, base + B_GROUPS_OFF + i * GROUP.size) for i in range(ngroups)
-            )
-            s2 = SEQ.unpack_from(buf, base + B_OFF)[0]
-            if s1 == s2 and not s1 & 1:
-                break
-        pid = a[0]
-        if pid == 0:
-            return None
-        peak_loss, peak_loss_step = struct.unpack_from("<dq", buf, base + A_DYN_OFF + 80)
-        phase_code = a[12]
-        return RankSnapshot(
-            local_rank=a[2],
-            pid=pid,
-            rank=a[1],
-            world_size=a[3],
-            restart=a[4],
-            step=a[5],
-            loss=a[6],
-            grad_norm=a[7],
-            step_s=a[8],
-            compute_s=a[9],
-            progress_mono=a[10],
-            start_mono=a[11],
-            phase=PHASES[phase_code] if 0 <= phase_code < len(PHASES) else "init",
-            phase_mono=a[14],
-            py_collectives=a[15],
-            heartbeat_mono=b[0],
-            fr_ok=bool(b[1]),
-            sampled_step=b[3],
-            groups=tuple(
-                CollectiveGroup(g[0], g[2], g[3], g[4].rstrip(b"\0").decode("ascii", "replace"))
-                for g in groups
-            ),
-            peak_loss=peak_loss,
-            peak_loss_step=peak_loss_step,
-        )
+    # ---- reading (sidecar, diagnose) ---------------------------------------------
 
     def read_table(self, retries: int = 16, previous=None):
         """All slots as one numpy structured array (dtype `slot_dtype()`), copied
@@ -318,14 +347,11 @@ class Segment:
                 table["pid"][idx] = 0
         return table
 
-    def read_all(self) -> list[RankSnapshot]:
-        return [s for s in (self.read(i) for i in range(self.nslots)) if s is not None]
-
     # ---- control region (sidecar writes the request, rank writes the rest) --
 
     def read_control(self, index: int) -> tuple[int, int, int, int]:
         """(request id, done id, status, step) of the emergency-checkpoint channel."""
-        req, done, status, _pad, step = CONTROL.unpack_from(self.buf, self.offset(index) + C_OFF)
+        req, done, status, _ready, step = CONTROL.unpack_from(self.buf, self.offset(index) + C_OFF)
         return req, done, status, step
 
     def acknowledge_read(self, counter: int) -> None:
@@ -357,88 +383,77 @@ def _torn(before, after):
 class SlotWriter:
     """The rank side of one slot. Only the owning rank's threads write here."""
 
-    __slots__ = ("_buf", "_base", "_seq_a", "_seq_b", "_ident", "_a_off", "_seq_off", "_body",
-                 "_dyn", "_dyn_off", "_ph", "_ph_off", "_q", "_qa", "_qb")
+    __slots__ = ("_buf", "_base", "_seq_a", "_seq_b", "_ident", "_dyn", "_dyn_off", "_ph", "_ph_off",
+                 "_ring", "_ring_off", "_q", "_qa", "_qb", "_d", "_active", "_batches")
 
     def __init__(self, segment: Segment, index: int, *, pid: int, rank: int, world_size: int, restart: int):
         self._buf = segment.buf
-        self._base = segment.offset(index)
-        self._seq_a = SEQ.unpack_from(self._buf, self._base + A_OFF)[0] & ~1
-        self._seq_b = SEQ.unpack_from(self._buf, self._base + B_OFF)[0] & ~1
+        self._base = base = segment.offset(index)
+        self._seq_a = SEQ.unpack_from(self._buf, base + OFFSETS["seq_a"])[0] & ~1
+        self._seq_b = SEQ.unpack_from(self._buf, base + OFFSETS["seq_b"])[0] & ~1
         self._ident = (pid, rank, index, world_size, restart)
-        self._a_off = self._base + A_BODY_OFF
-        self._seq_off = self._base + A_OFF
-        self._body = A_BODY.pack_into
         # Sequence numbers are stored as single aligned 8-byte writes through a
         # 'Q' view: struct.pack_into zero-fills before writing, and a reader
         # that caught two such zero windows would take a torn record as whole.
         self._q = segment.buf.cast("Q")
-        self._qa = (self._base + A_OFF) // 8
-        self._qb = (self._base + B_OFF) // 8
+        self._d = segment.buf.cast("d")
+        self._qa = (base + OFFSETS["seq_a"]) // 8
+        self._qb = (base + OFFSETS["seq_b"]) // 8
+        self._active = (base + OFFSETS["active_mono"]) // 8
+        self._batches = (base + OFFSETS["batches"]) // 8
         self._dyn = A_DYN.pack_into
-        self._dyn_off = self._base + A_DYN_OFF
+        self._dyn_off = base + A_DYN_OFF
         self._ph = A_PHASE.pack_into
-        self._ph_off = self._base + A_PHASE_OFF
+        self._ph_off = base + A_PHASE_OFF
+        self._ring = RING_ENTRY.pack_into
+        self._ring_off = base + RING_OFF
 
-    def write_fast(self, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono, phase, phase_mono,
-                   py_collectives, peak_loss=math.nan, peak_loss_step=0, peak_grad=math.nan,
-                   peak_grad_step=0) -> None:
-        """write_step without the identity fields (written once by write_step):
-        the per-step call, kept to three struct writes."""
-        seq = self._seq_a + 1
+    def write_fast(self, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono, phase, step_source,
+                   phase_mono, py_collectives, peak_loss=math.nan, peak_loss_step=0, peak_grad=math.nan,
+                   peak_grad_step=0, first_step=0, colls=-1, seq=-1) -> None:
+        """The per-step write: the dynamic fields and this step's ring entry
+        (exact end-of-step collective counts), under one seqlock bump."""
+        s = self._seq_a + 1
         q = self._q
-        q[self._qa] = seq
+        q[self._qa] = s
         self._dyn(self._buf, self._dyn_off, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono,
-                  phase, 0, phase_mono, py_collectives, peak_loss, peak_loss_step, peak_grad, peak_grad_step)
-        self._seq_a = seq + 1
-        q[self._qa] = seq + 1
+                  phase, step_source, phase_mono, py_collectives, peak_loss, peak_loss_step, peak_grad,
+                  peak_grad_step, first_step)
+        self._ring(self._buf, self._ring_off + (step % RING) * 24, step, colls, seq)
+        self._seq_a = s + 1
+        q[self._qa] = s + 1
 
-    def write_phase(self, phase: int, phase_mono: float, py_collectives: int) -> None:
-        seq = self._seq_a + 1
+    def write_step(self, step: int, loss: float, grad_norm: float, step_s: float, compute_s: float,
+                   progress_mono: float, start_mono: float, phase: int, phase_mono: float, py_collectives: int,
+                   *, step_source: int = STEP_REPORTED, colls: int = -1, seq: int = -1) -> None:
+        """Identity and step fields under one seqlock bump: a slot's first write
+        (a reader never sees a pid without its start time), and for tools and
+        tests that publish a whole record at once."""
+        s = self._seq_a + 1
         q = self._q
-        q[self._qa] = seq
-        self._ph(self._buf, self._ph_off, phase, 0, phase_mono, py_collectives)
-        self._seq_a = seq + 1
-        q[self._qa] = seq + 1
+        q[self._qa] = s
+        A_IDENT.pack_into(self._buf, self._base + A_IDENT_OFF, *self._ident)
+        self._dyn(self._buf, self._dyn_off, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono,
+                  phase, step_source, phase_mono, py_collectives, math.nan, 0, math.nan, 0, 0)
+        self._ring(self._buf, self._ring_off + (step % RING) * 24, step, colls, seq)
+        self._seq_a = s + 1
+        q[self._qa] = s + 1
 
-    def write_step(
-        self,
-        step: int,
-        loss: float,
-        grad_norm: float,
-        step_s: float,
-        compute_s: float,
-        progress_mono: float,
-        start_mono: float,
-        phase: int,
-        phase_mono: float,
-        py_collectives: int,
-    ) -> None:
-        seq = self._seq_a + 1
-        self._q[self._qa] = seq
-        pid, rank, local_rank, world, restart = self._ident
-        self._body(
-            self._buf,
-            self._a_off,
-            pid,
-            rank,
-            local_rank,
-            world,
-            restart,
-            step,
-            loss,
-            grad_norm,
-            step_s,
-            compute_s,
-            progress_mono,
-            start_mono,
-            phase,
-            0,
-            phase_mono,
-            py_collectives,
-        )
-        self._seq_a = seq + 1
-        self._q[self._qa] = seq + 1
+    def write_phase(self, phase: int, step_source: int, phase_mono: float, py_collectives: int) -> None:
+        s = self._seq_a + 1
+        q = self._q
+        q[self._qa] = s
+        self._ph(self._buf, self._ph_off, phase, step_source, phase_mono, py_collectives)
+        self._seq_a = s + 1
+        q[self._qa] = s + 1
+
+    def mark_active(self, mono: float) -> None:
+        """Forward-only progress (a batch, an eval forward): one aligned store."""
+        self._d[self._active] = mono
+
+    def count_batch(self, mono: float) -> None:
+        self._d[self._active] = mono
+        self._q[self._batches] += 1
 
     def write_sampler(
         self,
@@ -446,16 +461,19 @@ class SlotWriter:
         fr_ok: bool,
         sampled_step: int,
         groups: list[CollectiveGroup] | tuple[CollectiveGroup, ...],
+        cpu_s: float = math.nan,
+        io_bytes: int = -1,
     ) -> None:
         base = self._base
         seq = self._seq_b + 1
         self._q[self._qb] = seq
         groups = groups[:MAX_GROUPS]
-        B_HEAD.pack_into(self._buf, base + B_HEAD_OFF, heartbeat_mono, int(fr_ok), len(groups), sampled_step)
+        B_HEAD.pack_into(self._buf, base + B_HEAD_OFF, heartbeat_mono, int(fr_ok), len(groups), sampled_step, cpu_s,
+                         io_bytes)
         for i, g in enumerate(groups):
             GROUP.pack_into(
                 self._buf,
-                base + B_GROUPS_OFF + i * GROUP.size,
+                base + GROUPS_OFF + i * GROUP.size,
                 g.pg,
                 0,
                 g.enqueued,
@@ -470,7 +488,12 @@ class SlotWriter:
         return struct.unpack_from("<Q", self._buf, self._base + C_OFF)[0]
 
     def write_checkpoint_status(self, done_id: int, status: int, step: int) -> None:
-        struct.pack_into("<Qiiq", self._buf, self._base + C_OFF + 8, done_id, status, 0, step)
+        struct.pack_into("<Qi", self._buf, self._base + OFFSETS["ckpt_done"], done_id, status)
+        struct.pack_into("<q", self._buf, self._base + OFFSETS["ckpt_step"], step)
+
+    def set_checkpoint_ready(self) -> None:
+        """This rank can answer emergency checkpoint requests (it registered state)."""
+        struct.pack_into("<i", self._buf, self._base + OFFSETS["ckpt_ready"], 1)
 
 
 NAN = math.nan

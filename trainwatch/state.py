@@ -74,6 +74,43 @@ def make_job_dir(job: str) -> Path:
     return d
 
 
+def announce_launch(job: str) -> Path | None:
+    """Make a job known the moment `trainwatch launch` starts, before its slow
+    start-up (importing torch, parsing torchrun's options): a marker
+    `launch.json` naming the launcher's pid. `diagnose` shows the job as
+    starting from then on. Returns the marker, or None when it cannot be
+    written (the launch goes on; the job appears a few seconds later)."""
+    try:
+        check_job_name(job)
+        ensure_home()
+        d = job_dir(job)
+        created = not d.exists()
+        d.mkdir(mode=0o700, exist_ok=True)
+        path = d / "launch.json"
+        write_json_atomic(path, {"job": job, "launcher_pid": os.getpid(), "start_time": time.time(),
+                                 "created_dir": created}, durable=False)
+        return path
+    except (StateError, OSError):
+        return None
+
+
+def withdraw_launch(marker: Path | None, *, failed: bool = False) -> None:
+    """Remove the launch marker; after a failed launch also the job directory
+    it created, when nothing else was written there."""
+    if marker is None:
+        return
+    rec = read_json(marker) or {}
+    try:
+        marker.unlink()
+    except OSError:
+        pass
+    if failed and rec.get("created_dir"):
+        try:
+            marker.parent.rmdir()  # only when empty: nothing already written is lost
+        except OSError:
+            pass
+
+
 def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o600, durable: bool = False) -> None:
     """Replace path with data: written to a temp file beside it (created with
     `mode`, less the umask), optionally fsynced, then renamed over it, so a

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from trainwatch.diagnostics.stacks import ProcessStack, parse_pyspy_json
+from trainwatch.diagnostics.stacks import STOPPED_ERROR, ProcessStack, parse_pyspy_json
 
 PER_RANK_TIMEOUT_S = 5.0
 """Hard bound for one py-spy dump; a healthy dump takes ~20 ms."""
@@ -67,7 +67,7 @@ def capture_rank(rank: int, pid: int, *, native: bool = False, timeout_s: float 
     pstate = process_state(pid)
 
     def failed(reason: str) -> RankCapture:
-        detail = f"{reason} (process state: {pstate or 'gone'})"
+        detail = reason if reason.startswith(STOPPED_ERROR) else f"{reason} (process state: {pstate or 'gone'})"
         return RankCapture(rank, pid, ProcessStack(pid, rank, None, (), error=detail), pstate,
                            time.monotonic() - start, None)
 
@@ -75,6 +75,9 @@ def capture_rank(rank: int, pid: int, *, native: bool = False, timeout_s: float 
         return failed("process exited")
     if job is not None and not belongs_to_job(pid, job):
         return failed("not a process of this job; refusing to sample it")
+    if pstate == psutil.STATUS_STOPPED:
+        # A stopped process has no running stack to read; say what it is.
+        return failed(f"{STOPPED_ERROR} (state T: SIGSTOP, job control or a debugger); `kill -CONT {pid}` resumes it")
     if pstate == psutil.STATUS_DISK_SLEEP:
         # ptrace attach to a process in D state can block; say so instead of waiting.
         return failed("process in uninterruptible sleep (D), likely blocked in the kernel or on a device")
@@ -124,5 +127,24 @@ def capture_all(pids: dict[int, int], *, native: bool = False, timeout_s: float 
         return {rank: f.result() for rank, f in futures.items()}
 
 
+KEEP_CAPTURES = {"diagnose": 5}
+"""Newest captures kept per label; other labels (incidents) keep KEEP_DEFAULT."""
+KEEP_DEFAULT = 50
+
+
 def capture_dir(job_dir: Path, label: str) -> Path:
-    return job_dir / "stacks" / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{os.getpid()}"
+    """A fresh folder for one capture's raw dumps. Old captures with the same
+    label are pruned, so polling `diagnose` does not fill the disk."""
+    root = job_dir / "stacks"
+    prune_captures(root, label, KEEP_CAPTURES.get(label, KEEP_DEFAULT) - 1)
+    return root / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{os.getpid()}-{time.monotonic_ns() % 10**6:06d}"
+
+
+def prune_captures(root: Path, label: str, keep: int) -> None:
+    try:
+        mine = sorted((p for p in root.iterdir() if p.is_dir() and f"-{label}-" in p.name),
+                      key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return
+    for old in mine[: max(0, len(mine) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -16,12 +16,17 @@ from typing import Any
 
 import psutil
 
-from trainwatch import slots, state
+from trainwatch import rankrow, slots, state
 from trainwatch.diagnostics import verdict as verdict_mod
 
 
+STARTUP_GRACE_S = 120.0
+"""How long ranks may start (import, rendezvous, first step) before diagnose
+stops saying `starting` and judges their stacks like any other."""
+
+
 def job_is_live(job: dict) -> bool:
-    if job.get("status") not in ("running", "starting"):
+    if job.get("status") not in ("running", "starting", "restarting"):
         return False
     pid = job.get("launcher_pid")
     return bool(pid) and psutil.pid_exists(pid)
@@ -37,29 +42,13 @@ def read_ranks(job: dict, job_dir: Path) -> list[dict]:
         except (OSError, ValueError):
             seg = None
         if seg is not None:
-            now = time.monotonic()
-            for s in seg.read_all():
-                rows.append(
-                    {
-                        "rank": s.rank,
-                        "local_rank": s.local_rank,
-                        "node": job.get("node"),
-                        "pid": s.pid,
-                        "step": s.step,
-                        "phase": s.phase,
-                        "step_s": s.step_s if s.step_s == s.step_s else None,
-                        "last_progress_s": round(max(0.0, now - s.progress_mono), 2),
-                        "heartbeat_age_s": round(max(0.0, now - s.heartbeat_mono), 2) if s.heartbeat_mono > 0 else None,
-                        "groups": [
-                            {"pg": g.pg, "enqueued": g.enqueued, "completed": g.completed, "last_op": g.last_op}
-                            for g in s.groups
-                        ],
-                    }
-                )
-            seg.close()
+            try:
+                rows = rankrow.rows_json(rankrow.decode(seg.read_table(), time.monotonic(), job.get("node") or ""))
+            finally:
+                seg.close()
     if not rows:
         snap = state.read_json(job_dir / "telemetry.json") or {}
-        rows = [dict(r) for r in snap.get("ranks", [])]
+        rows = [dict(r) for r in snap.get("ranks", []) if isinstance(r, dict) and isinstance(r.get("rank"), int)]
     for r in rows:
         g0 = r.get("groups", [None])[0] if r.get("groups") else None
         r["collectives"] = {
@@ -69,6 +58,34 @@ def read_ranks(job: dict, job_dir: Path) -> list[dict]:
         }
     rows.sort(key=lambda r: r["rank"])
     return rows
+
+
+def launch_marker(job_name: str) -> dict | None:
+    """The marker of a launcher that is still starting (see state.announce_launch)."""
+    rec = state.read_json(state.job_dir(job_name) / "launch.json")
+    if not isinstance(rec, dict):
+        return None
+    pid = rec.get("launcher_pid")
+    return rec if isinstance(pid, int) and pid > 0 and psutil.pid_exists(pid) else None
+
+
+def phase_of_job(job: dict, ranks: list[dict], live: bool) -> str:
+    """running, starting (ranks importing, no step yet), restarting, finished
+    (every rank done while the launcher wraps up), or job.json's status."""
+    if not live:
+        return job.get("status", "unknown")
+    if job.get("status") == "restarting":
+        return "restarting"
+    expected = len(job.get("ranks") or []) or int(job.get("nproc_per_node") or 0)
+    if ranks and all(r.get("phase") == "done" for r in ranks):
+        return "finished"
+    started = time.time() - float(job.get("workers_started_time") or job.get("start_time") or time.time())
+    young = started < STARTUP_GRACE_S
+    if young and (len(ranks) < expected or not ranks or all(
+            (r.get("step") or 0) == 0 and not r.get("batches") for r in ranks)):
+        # New workers after a restart are still the restart: its cause is the verdict.
+        return "restarting" if int(job.get("restarts") or 0) > 0 else "starting"
+    return "running"
 
 
 def hardware_findings(incidents: list[dict], job_dir: Path) -> list[dict]:
@@ -91,12 +108,22 @@ def hardware_findings(incidents: list[dict], job_dir: Path) -> list[dict]:
     return out
 
 
+def _starting_report(job_name: str, marker: dict) -> dict:
+    age = max(0.0, time.time() - float(marker.get("start_time") or time.time()))
+    v = verdict_mod.Verdict("starting", [], f"the launcher (pid {marker['launcher_pid']}) started {age:.0f}s ago "
+                            "and is setting up; ranks are not running yet", "starting", 0.9, [])
+    return _report(job_name, "starting", v, [], [], [], [])
+
+
 def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capture: bool = True) -> dict:
     from trainwatch.diagnostics.capture import capture_all, capture_dir
     from trainwatch.diagnostics.stacks import group_stacks
 
     job_dir = state.job_dir(job_name)
     job = state.read_job(job_name)
+    marker = launch_marker(job_name)
+    if marker is not None and (job is None or float(job.get("start_time") or 0) < float(marker.get("start_time") or 0)):
+        return _starting_report(job_name, marker)
     if job is None:
         known = [j.get("job") for j in state.list_jobs()]
         raise state.StateError(
@@ -105,9 +132,11 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
     incidents = list(state.read_events(job_name))
     live = job_is_live(job)
     ranks = read_ranks(job, job_dir)
+    status = phase_of_job(job, ranks, live)
     groups: list = []
     capture_info: dict[int, Any] = {}
-    if live and capture and ranks:
+    # Start-up stacks (imports, rendezvous) and finished ranks say nothing about a hang.
+    if live and capture and ranks and status == "running":
         pids = {r["rank"]: r["pid"] for r in ranks if r.get("pid")}
         per_rank = max(1.0, min(5.0, timeout_s - 1.0))
         caps = capture_all(pids, native=native, timeout_s=per_rank, out_dir=capture_dir(job_dir, "diagnose"), job=job_name)
@@ -126,20 +155,50 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
         else:
             r["state"] = "exited"
     hardware = hardware_findings(incidents, job_dir)
+    v = _verdict(job, status, live, ranks, groups, incidents, hardware)
+    return _report(job_name, "running" if status == "running" else status, v, ranks, groups, hardware, incidents)
+
+
+def _verdict(job, status, live, ranks, groups, incidents, hardware) -> verdict_mod.Verdict:
+    if status == "starting":
+        attached = len(ranks)
+        expected = len(job.get("ranks") or []) or job.get("nproc_per_node") or attached
+        return verdict_mod.Verdict(
+            "starting", [], f"ranks are starting ({attached} of {expected} attached, none past its first step): "
+            "importing, forming the process group or loading a checkpoint; no verdict on start-up stacks",
+            "starting", 0.9, [])
+    if status == "restarting":
+        cause = _restart_cause(incidents)
+        if cause is not None:
+            return verdict_mod._from_incident(cause, "restarting after")
+        return verdict_mod.Verdict("other", [], "the worker group is restarting", "restart-loop", 0.5, [])
+    if status in ("finished", "succeeded"):
+        faults = [i for i in incidents if i.get("kind") != "restart"]
+        note = f" ({len(faults)} incident(s) along the way; see incidents)" if faults else ""
+        return verdict_mod.Verdict("finished", [], f"job finished normally{note}", "finished", 0.95, [])
     if live:
-        v = verdict_mod.decide(ranks, groups, incidents, hardware)
-    elif incidents:
+        return verdict_mod.decide(ranks, groups, incidents, hardware)
+    if incidents:
         last = next((i for i in reversed(incidents) if i.get("kind") != "restart"), incidents[-1])
-        v = verdict_mod._from_incident(last, f"job {job.get('status', 'finished')}; last incident")
-    else:
-        status = job.get("status", "unknown")
-        v = verdict_mod.Verdict(
-            "healthy" if status == "succeeded" else "other", [],
-            f"job {status} with no incidents", "healthy" if status == "succeeded" else "hang", 0.8, [],
-        )
+        return verdict_mod._from_incident(last, f"job {job.get('status', 'finished')}; last incident")
+    return verdict_mod.Verdict("other", [], f"job {status} with no incidents recorded", "hang", 0.3, [])
+
+
+def _restart_cause(incidents: list[dict]) -> dict | None:
+    """The incident the current restart is for: the last one that asked for a
+    restart, or the last crash (torchelastic restarts those by itself)."""
+    for i in reversed(incidents):
+        if i.get("kind") == "restart":
+            return None
+        if (i.get("restart") or {}).get("requested") or i.get("kind") == "crash":
+            return i
+    return None
+
+
+def _report(job_name, status, v, ranks, groups, hardware, incidents) -> dict:
     return {
         "job": job_name,
-        "status": "running" if live else job.get("status", "unknown"),
+        "status": status,
         "verdict": {
             "category": v.category,
             "culprit_ranks": v.culprit_ranks,
@@ -157,6 +216,11 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
                 "phase": r.get("phase"),
                 "last_progress_s": r.get("last_progress_s"),
                 "collectives": r["collectives"],
+                "loss": r.get("loss"),
+                "grad_norm": r.get("grad_norm"),
+                "step_s": r.get("step_s"),
+                "step_source": r.get("step_source"),
+                "batches": r.get("batches"),
                 "state": r.get("state"),
                 "heartbeat_age_s": r.get("heartbeat_age_s"),
                 "capture_error": r.get("capture_error"),
@@ -193,7 +257,8 @@ def render(report: dict) -> str:
         lines.append(f"  - {e}")
     if report["ranks"]:
         lines.append("")
-        lines.append(f"{'RANK':>4} {'NODE':<12} {'PID':>7} {'STEP':>7} {'PHASE':<11} {'IDLE s':>7} {'SEQ enq/done':>13} STATE")
+        lines.append(f"{'RANK':>4} {'NODE':<12} {'PID':>7} {'STEP':>7} {'LOSS':>9} {'PHASE':<11} {'IDLE s':>7} "
+                     f"{'SEQ enq/done':>13} STATE")
         for r in report["ranks"]:
             c = r["collectives"]
             seq = f"{c['enqueued'] if c['enqueued'] is not None else '-'}/{c['completed'] if c['completed'] is not None else '-'}"
@@ -201,9 +266,10 @@ def render(report: dict) -> str:
             st = r.get("state") or "-"
             if r.get("capture_error"):
                 st += f" (no stack: {r['capture_error']})"
+            loss = f"{r['loss']:.4g}" if isinstance(r.get("loss"), (int, float)) else "-"
             lines.append(
                 f"{r['rank']:>4} {str(r.get('node') or '-')[:12]:<12} {r.get('pid') or '-':>7} {r.get('step', '-'):>7} "
-                f"{str(r.get('phase') or '-'):<11} {idle:>7} {seq:>13} {st}"
+                f"{loss:>9} {str(r.get('phase') or '-'):<11} {idle:>7} {seq:>13} {st}"
             )
     for g in report["stack_groups"]:
         lines.append("")

@@ -34,6 +34,9 @@ PRODUCT_RUNBOOKS = (
     "grad-explosion",
     "crash",
     "healthy",
+    "stopped",
+    "starting",
+    "finished",
     "restart-loop",
     "exporter-down",
 )

@@ -505,6 +505,11 @@ def signature(thread: ThreadStack) -> tuple[tuple[str, str], ...]:
     return tuple((short_function(f.function), basename(f.file)) for f in frames)
 
 
+STOPPED_ERROR = "process is stopped"
+"""How a capture reports a rank in state T (SIGSTOP, job control, a debugger):
+its group's category is `stopped`."""
+
+
 def group_stacks(stacks: Mapping[int, ProcessStack]) -> list[StackGroup]:
     """Group processes (keyed by rank, or pid) by where their interesting thread waits.
 
@@ -530,7 +535,8 @@ def group_stacks(stacks: Mapping[int, ProcessStack]) -> list[StackGroup]:
         keys = tuple(m[0] for m in members)
         _, proc, thread, match = members[0]
         if kind == "error":
-            groups.append(StackGroup(keys, (), "other", None, None, error=proc.error, evidence=proc.error))
+            category = "stopped" if proc.error.startswith(STOPPED_ERROR) else "other"
+            groups.append(StackGroup(keys, (), category, None, None, error=proc.error, evidence=proc.error))
             continue
         frames = tuple(f.describe() for f in thread.frames if not is_address(f))[:TOP_FRAMES] if thread else ()
         if match is not None:

@@ -34,6 +34,9 @@ CATEGORY_RUNBOOK = {
     "xid": "gpu-xid",
     "ecc": "gpu-ecc",
     "healthy": "healthy",
+    "stopped": "stopped",
+    "starting": "starting",
+    "finished": "finished",
     "straggler": "straggler",
     "loss_nan": "loss-nan",
     "loss_spike": "loss-spike",
@@ -108,7 +111,18 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
             "collective_mismatch", culprits, mismatch.get("summary", "collective mismatch"),
             "collective-mismatch", 0.9, [str(mismatch.get("summary", ""))],
         )
-    gone = [r for r in ranks if r.get("state") in (None, "gone", "zombie") and r.get("pid")]
+    stopped = [r for r in ranks if r.get("state") == "stopped"]
+    if stopped:
+        culprits = sorted(r["rank"] for r in stopped)
+        return Verdict(
+            "stopped", culprits,
+            f"{_fmt(culprits)} {'is' if len(culprits) == 1 else 'are'} stopped (process state T: SIGSTOP, job "
+            f"control or a debugger); every peer waits for it. `kill -CONT` resumes it",
+            "stopped", 0.95, [f"rank {r['rank']}: process {r.get('pid')} is stopped" for r in stopped],
+        )
+    # A rank that finished its work (phase 'done') and exited is not a failure.
+    gone = [r for r in ranks if r.get("state") in (None, "gone", "zombie") and r.get("pid")
+            and r.get("phase") != "done"]
     steps = [r["step"] for r in ranks]
     step_s = [r["step_s"] for r in ranks if r.get("step_s")]
     stall_s = max(STALL_FLOOR_S, 5 * median(step_s)) if step_s else STALL_FLOOR_S
@@ -210,6 +224,8 @@ def _category(row: dict, group: Any, incident: dict | None, ranks: list[dict]) -
     hb = row.get("heartbeat_age_s")
     if group is not None and group.category not in ("other", "collective_wait"):
         return group.category, group.pattern_id
+    if row.get("state") == "stopped":
+        return "stopped", None
     if hb is not None and hb > HEARTBEAT_STALE_S:
         return "gc_collect", None
     phase_cat = PHASE_CATEGORY.get(row.get("phase", ""))

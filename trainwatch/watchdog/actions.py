@@ -43,6 +43,32 @@ class ActionPolicy:
 
 
 _SEVERITY = {"info": 0, "low": 1, "medium": 2, "high": 3, "critical": 4}
+RESTART_IN_FLIGHT_S = 30.0
+"""After a restart request, further incidents are recorded, said, and not acted on this long (s)."""
+
+
+def _ranks(ranks) -> str:
+    return ",".join(str(r) for r in ranks) or "-"
+
+
+def _generation(sidecar: Any) -> int:
+    table = getattr(sidecar, "last_table", None)
+    return int(table["restart"].max()) if table is not None and len(table) else 0
+
+
+def _step_of(sidecar: Any, record: dict) -> int | None:
+    """The step an incident happened at: its evidence's, else its culprits' lowest."""
+    step = (record.get("evidence") or {}).get("step")
+    if isinstance(step, int):
+        return step
+    table = getattr(sidecar, "last_table", None)
+    culprits = record.get("culprit_ranks") or []
+    if table is None or not len(table) or not culprits:
+        return None
+    import numpy as np
+
+    rows = table[np.isin(table["rank"], culprits)]
+    return int(rows["step"].min()) if len(rows) else None
 
 
 def request_emergency_checkpoint(segment: slots.Segment, timeout_s: float, *, local_ranks: list[int] | None = None,
@@ -54,9 +80,15 @@ def request_emergency_checkpoint(segment: slots.Segment, timeout_s: float, *, lo
     newest complete checkpoint from any rank is what the restart uses."""
     start = clock()
     table = segment.read_table()
-    targets = [int(i) for i in range(segment.nslots) if table["pid"][i] > 0]
+    live = [int(i) for i in range(segment.nslots) if table["pid"][i] > 0]
     if local_ranks is not None:
-        targets = [i for i in targets if i in local_ranks]
+        live = [i for i in live if i in local_ranks]
+    # Only ranks that registered state can write anything: asking the others
+    # would only wait out the timeout for an answer that never comes.
+    targets = [i for i in live if table["ckpt_ready"][i]]
+    if not targets:
+        return {"requested": [], "written": {}, "failed": {}, "step": None, "seconds": round(clock() - start, 3),
+                "skipped": "no rank registered state (trainwatch.init().register_state)"}
     new_id = int(time.time() * 1000)
     wanted: dict[int, int] = {}
     for i in targets:
@@ -101,16 +133,22 @@ def request_emergency_checkpoint(segment: slots.Segment, timeout_s: float, *, lo
 
 
 class IncidentActions:
-    def __init__(self, policy: ActionPolicy):
+    def __init__(self, policy: ActionPolicy, clock=time.monotonic):
         self.policy = policy
+        self.clock = clock
         self.restart_requested_at: float | None = None
+        self._last_cause: tuple | None = None
+        """(kind, culprits, step, generation) of the incident the last restart was for."""
 
     def handle(self, sidecar: Any, incident: Any, record: dict) -> dict:
         kind = record.get("kind")
         extra: dict = {}
         if self.policy.capture and kind in CAPTURE_KINDS:
             extra.update(self.capture(sidecar, record))
-        if self._should_restart(record):
+        restart, why = self.restart_decision(record, _step_of(sidecar, record), _generation(sidecar))
+        if why:
+            extra["restart"] = {"requested": False, "why": why}
+        if restart:
             t0 = time.monotonic()
             extra["checkpoint"] = request_emergency_checkpoint(sidecar.segment, self.policy.emergency_timeout_s)
             t1 = time.monotonic()
@@ -123,15 +161,32 @@ class IncidentActions:
             )
         return extra
 
-    def _should_restart(self, record: dict) -> bool:
-        if not self.policy.restart or record.get("kind") not in self.policy.restart_kinds:
-            return False
-        if record.get("kind") in ("xid", "ecc"):
-            return _SEVERITY.get(record.get("severity", "medium"), 2) >= _SEVERITY[self.policy.min_severity_restart]
+    def restart_decision(self, record: dict, step: int | None, generation: int) -> tuple[bool, str | None]:
+        """(restart?, why not, when worth saying). Pure apart from the clock."""
+        kind = record.get("kind")
+        if not self.policy.restart or kind not in self.policy.restart_kinds:
+            return False, None
+        if kind in ("xid", "ecc"):
+            if _SEVERITY.get(record.get("severity", "medium"), 2) < _SEVERITY[self.policy.min_severity_restart]:
+                return False, None
         # One restart request per episode: the agent is already tearing down.
-        if self.restart_requested_at is not None and time.monotonic() - self.restart_requested_at < 30:
-            return False
-        return True
+        # Once the new worker generation is up, that restart is over.
+        if self.restart_requested_at is not None and self._last_cause is not None and generation > self._last_cause[3]:
+            self.restart_requested_at = None
+        if self.restart_requested_at is not None:
+            ago = self.clock() - self.restart_requested_at
+            if ago < RESTART_IN_FLIGHT_S:
+                return False, f"not restarting again: the restart requested {ago:.1f} s ago is under way"
+        cause = (kind, tuple(record.get("culprit_ranks") or ()), step, generation)
+        last = self._last_cause
+        if last is not None and cause[:3] == last[:3] and step is not None and generation > last[3]:
+            return False, (
+                f"not restarting: the same {kind} (culprit {_ranks(cause[1])} at step {step}) came back after "
+                f"restart {generation}; restarting again would replay it, so trainwatch only alerts now "
+                f"(fix the cause, then relaunch)"
+            )
+        self._last_cause = cause
+        return True, None
 
     def capture(self, sidecar: Any, record: dict) -> dict:
         from trainwatch.diagnostics.capture import capture_all, capture_dir
@@ -172,7 +227,7 @@ class IncidentActions:
         }
 
     def request_restart(self, sidecar: Any, record: dict) -> dict:
-        self.restart_requested_at = time.monotonic()
+        self.restart_requested_at = self.clock()
         table = sidecar.last_table
         request = {
             "reason": f"{record.get('kind')}: {record.get('summary', '')}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import time
 from typing import Any, Callable
@@ -21,6 +22,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from trainwatch import slots, state
 
 log = logging.getLogger("trainwatch")
+
+TEARDOWN_S = 5.0
+"""Grace a worker gets after SIGTERM before SIGKILL (torchelastic waits 30 s). Its
+state was already saved by the emergency checkpoint; waiting longer only delays
+the restart."""
 
 
 class TrainwatchAgent(LocalElasticAgent):
@@ -69,6 +75,25 @@ class TrainwatchAgent(LocalElasticAgent):
         self._on_event("workers_started", {"ranks": ranks})
         return pids
 
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # A stopped worker (SIGSTOP, a debugger, job control) never handles
+        # SIGTERM; continue it first so it can exit within the grace.
+        for pid in self._worker_pids():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
+        super()._shutdown(death_sig, min(timeout, TEARDOWN_S))
+
+    def _worker_pids(self) -> list[int]:
+        pcontext = getattr(self, "_pcontext", None)
+        if pcontext is None:
+            return []
+        try:
+            return [int(p) for p in pcontext.pids().values() if p]
+        except Exception:
+            return []
+
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """torchelastic's own restart (stop, re-rendezvous, start), timed for the
         sidecar's recovery breakdown, with backoff so a job that keeps failing
@@ -78,6 +103,7 @@ class TrainwatchAgent(LocalElasticAgent):
         print(f"[trainwatch] restarting worker group (restart {self.restart_count}/{worker_group.spec.max_restarts}"
               + (f", after {backoff:.0f}s backoff" if backoff else "") + ")", flush=True)
         t0 = time.monotonic()
+        state.update_job(self.job, status="restarting")
         self._stop_workers(worker_group)
         t1 = time.monotonic()
         if backoff:

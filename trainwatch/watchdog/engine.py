@@ -7,7 +7,10 @@ while it keeps being reported, and fires again only after it has been absent
 for `rearm_s` or, once absent, after the culprits' steps moved on (the fault
 went away and came back). A crash mutes hangs and collective mismatches until
 training progresses again: the peers of a dead rank stall because of it, and
-one restart fixes both.
+one restart fixes both. A collective mismatch and a hang mute each other the
+same way: ranks that desynchronised end up stuck in collectives, and a rank
+stuck elsewhere leaves its peers parked at other operations; either way it is
+one fault, reported once.
 
 One failing detector never costs the round: its exception is logged and the
 other detectors still run, the same way the sidecar loop around `tick()`
@@ -28,8 +31,15 @@ from trainwatch import slots
 from trainwatch.watchdog.detectors.base import Detector, TickView, grow
 from trainwatch.watchdog.incident import Incident
 
-MUTED_BY_CRASH = frozenset({"hang", "collective_mismatch"})
-"""Incident kinds that a crash explains until training progresses again."""
+MUTES = {
+    "crash": frozenset({"hang", "collective_mismatch"}),
+    "collective_mismatch": frozenset({"hang"}),
+    # A rank stuck outside its collectives leaves its peers parked at other
+    # operations: that is the same stall, not a second fault.
+    "hang": frozenset({"collective_mismatch"}),
+}
+"""Incident kinds that an earlier incident explains until training progresses again."""
+_PRIORITY = {kind: i for i, kind in enumerate(MUTES)}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,7 +62,7 @@ class _Seen:
 
 
 @dataclass(slots=True)
-class _CrashEpisode:
+class _Episode:
     since: float
     step: np.ndarray
     pid: np.ndarray
@@ -74,7 +84,7 @@ class DetectorEngine:
         self.failures: dict[str, int] = {}
         """Number of rounds each detector failed in (by detector name)."""
         self._seen: dict[str, _Seen] = {}
-        self._crash: _CrashEpisode | None = None
+        self._episodes: dict[str, _Episode] = {}
 
     def detector(self, name: str) -> Detector | None:
         """The running detector of that name (e.g. 'straggler' for its ratios)."""
@@ -96,20 +106,22 @@ class DetectorEngine:
                     inc.detected_mono = view.now
                 found.append(inc)
 
-        self._end_crash_episode_on_progress(view)
-        # Crashes first, so the hangs they cause in the same tick are muted.
-        found.sort(key=lambda inc: inc.kind != "crash")
+        self._end_episodes_on_progress(view)
+        # Causes first (crash, then mismatch), so the hangs they cause in the
+        # same tick are muted.
+        found.sort(key=lambda inc: _PRIORITY.get(inc.kind, len(_PRIORITY)))
         emitted: list[Incident] = []
         reported: set[str] = set()
         for inc in found:
             if inc.key in reported:
                 continue
             reported.add(inc.key)
-            if inc.kind == "crash":
-                self._start_crash_episode(view)
-            elif inc.kind in MUTED_BY_CRASH and self._crash is not None:
-                self.log.debug("muted %s after a crash: %s", inc.key, inc.summary)
+            cause = next((k for k, muted in MUTES.items() if inc.kind in muted and k in self._episodes), None)
+            if cause is not None:
+                self.log.debug("muted %s after a %s: %s", inc.key, cause, inc.summary)
                 continue
+            if inc.kind in MUTES and inc.kind not in self._episodes:
+                self._start_episode(inc.kind, view)
             if self._admit(inc, view):
                 emitted.append(inc)
 
@@ -154,22 +166,28 @@ class DetectorEngine:
         rows = np.nonzero(np.isin(t["rank"], ranks))[0]
         return dict(zip(t["rank"][rows].tolist(), zip(t["pid"][rows].tolist(), t["step"][rows].tolist())))
 
-    # ---- crash episodes -------------------------------------------------------------
+    # ---- episodes: a cause mutes its consequences -------------------------------------------------------------
 
-    def _start_crash_episode(self, view: TickView) -> None:
+    def _start_episode(self, kind: str, view: TickView) -> None:
         t = view.table
         size = int(t["rank"].max()) + 1 if len(t) else 0
         step = np.full(size, -1, dtype=np.int64)
         pid = np.zeros(size, dtype=np.int64)
         step[t["rank"]] = t["step"]
         pid[t["rank"]] = t["pid"]
-        self._crash = _CrashEpisode(since=view.now, step=step, pid=pid)
+        self._episodes[kind] = _Episode(since=view.now, step=step, pid=pid)
 
-    def _end_crash_episode_on_progress(self, view: TickView) -> None:
-        ep = self._crash
+    def _end_episodes_on_progress(self, view: TickView) -> None:
+        for kind, ep in list(self._episodes.items()):
+            if self._progressed(ep, view):
+                self.log.debug("training progressed after the %s; muted detections are live again", kind)
+                del self._episodes[kind]
+
+    @staticmethod
+    def _progressed(ep: _Episode, view: TickView) -> bool:
         t = view.table
-        if ep is None or len(t) == 0:
-            return
+        if len(t) == 0:
+            return False
         size = int(t["rank"].max()) + 1
         ep.step = grow(ep.step, size, -1)
         ep.pid = grow(ep.pid, size, 0)
@@ -180,9 +198,7 @@ class DetectorEngine:
         progress = t["progress_mono"]
         moved = (t["step"] > ep.step[ranks]) | (t["pid"] != ep.pid[ranks])
         done = moved & (t["step"] >= 1) & (progress > ep.since) & (progress > t["start_mono"])
-        if done.any():
-            self.log.debug("training progressed after the crash; hang/mismatch detection is live again")
-            self._crash = None
+        return bool(done.any())
 
 
 def _advanced(before: dict[int, tuple[int, int]], now: dict[int, tuple[int, int]]) -> bool:
@@ -234,6 +250,13 @@ class _SyntheticJob:
         t["progress_mono"] = self.now - rng.uniform(0, 0.05, n)
         t["phase_mono"] = t["progress_mono"] + 0.001
         t["py_collectives"] += 2
+        slot = step % slots.RING
+        ring = t["ring"]
+        rows = np.arange(n)
+        ring["step"][rows, slot] = step
+        ring["colls"][rows, slot] = 2 * step
+        ring["seq"][rows, slot] = 3 * step
+        t["cpu_s"] += self.tick_s * 0.9
         g = t["groups"]
         g["enqueued"][:, 0] += 3
         g["completed"][:, 0] = g["enqueued"][:, 0]

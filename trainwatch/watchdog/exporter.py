@@ -10,10 +10,13 @@ import math
 import time
 from typing import TYPE_CHECKING, Iterator
 
+import numpy as np
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from trainwatch import slots
+from trainwatch.rankrow import progress_mono
 
 if TYPE_CHECKING:
     from trainwatch.watchdog.sidecar import Sidecar
@@ -26,24 +29,54 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 
 
 class StepHistogram:
-    """Cumulative per-rank histogram of step durations, fed by the sidecar each
-    time it sees a rank's step advance (so it needs no per-step work in ranks)."""
+    """Cumulative per-rank histogram of step durations, fed from the slot table
+    by the sidecar (no per-step work in ranks). Every step counts once: when a
+    rank finished several steps between two reads, each is observed at their
+    mean duration (the progress time they spanned over their number), so
+    `_count` is the number of steps and `_sum` the time they took."""
 
     def __init__(self, buckets: tuple[float, ...] = STEP_BUCKETS):
         self.buckets = buckets
-        self.counts: dict[tuple[str, int], list[int]] = {}
-        self.sums: dict[tuple[str, int], float] = {}
+        self._bounds = np.asarray(buckets, dtype=np.float64)
+        self.counts = np.zeros((0, len(buckets) + 1), dtype=np.int64)
+        """Per rank, steps per bucket (not cumulative; the last column is above every bound)."""
+        self.sums = np.zeros(0)
+        self._step = np.zeros(0, dtype=np.int64)
+        self._pid = np.zeros(0, dtype=np.int64)
+        self._progress = np.zeros(0)
 
-    def observe(self, node: str, rank: int, value: float) -> None:
-        if not math.isfinite(value) or value < 0:
+    def observe(self, table) -> None:
+        ranks = table["rank"]
+        if len(ranks) == 0:
             return
-        key = (node, rank)
-        counts = self.counts.setdefault(key, [0] * (len(self.buckets) + 1))
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                counts[i] += 1
-        counts[-1] += 1
-        self.sums[key] = self.sums.get(key, 0.0) + value
+        size = int(ranks.max()) + 1
+        if size > len(self.sums):
+            grow_to = max(size, 2 * len(self.sums))
+            self.counts = np.vstack([self.counts, np.zeros((grow_to - len(self.counts), self.counts.shape[1]),
+                                                           dtype=np.int64)])
+            for name, fill in (("sums", 0.0), ("_step", 0), ("_pid", 0), ("_progress", 0.0)):
+                old = getattr(self, name)
+                new = np.full(grow_to, fill, dtype=old.dtype)
+                new[: len(old)] = old
+                setattr(self, name, new)
+        step, pid, progress = table["step"], table["pid"], table["progress_mono"]
+        same = self._pid[ranks] == pid
+        n = np.where(same, step - self._step[ranks], 0)
+        gap = progress - self._progress[ranks]
+        mean = np.where(n == 1, table["step_s"], gap / np.maximum(n, 1))
+        ok = same & (n >= 1) & np.isfinite(mean) & (mean >= 0)
+        if ok.any():
+            r = ranks[ok]
+            idx = np.searchsorted(self._bounds, mean[ok], side="left")
+            np.add.at(self.counts, (r, idx), n[ok])
+            np.add.at(self.sums, r, mean[ok] * n[ok])
+        self._step[ranks], self._pid[ranks], self._progress[ranks] = step, pid, progress
+
+    def series(self):
+        """(rank, cumulative bucket counts incl. +Inf, sum) for every rank with a step."""
+        totals = self.counts.sum(axis=1)
+        for rank in np.nonzero(totals)[0].tolist():
+            yield rank, np.cumsum(self.counts[rank]).tolist(), float(self.sums[rank])
 
 
 class TrainwatchCollector(Collector):
@@ -56,11 +89,13 @@ class TrainwatchCollector(Collector):
         labels = ["job", "node", "rank"]
         table = sc.last_table
         now = time.monotonic()
+        progress = progress_mono(table) if table is not None and len(table) else None
         step = GaugeMetricFamily("trainwatch_step", "Last completed training step.", labels=labels)
         loss = GaugeMetricFamily("trainwatch_loss", "Loss reported at the last step.", labels=labels)
         grad = GaugeMetricFamily("trainwatch_grad_norm", "Gradient norm reported at the last step.", labels=labels)
         age = GaugeMetricFamily(
-            "trainwatch_last_progress_age_seconds", "Seconds since the rank last completed a step.", labels=labels
+            "trainwatch_last_progress_age_seconds",
+            "Seconds since the rank last made progress (a step, a batch, an evaluation forward).", labels=labels
         )
         phase = GaugeMetricFamily(
             "trainwatch_phase", "Current phase of the rank (1 for the active phase).", labels=labels + ["phase"]
@@ -82,7 +117,7 @@ class TrainwatchCollector(Collector):
         )
         ratios = sc.straggler_ratios()
         if table is not None:
-            for row, node in zip(table, sc.last_nodes):
+            for i, (row, node) in enumerate(zip(table, sc.last_nodes)):
                 if row["pid"] <= 0:
                     continue
                 lv = [job, node, str(int(row["rank"]))]
@@ -91,7 +126,7 @@ class TrainwatchCollector(Collector):
                     loss.add_metric(lv, float(row["loss"]))
                 if math.isfinite(row["grad_norm"]):
                     grad.add_metric(lv, float(row["grad_norm"]))
-                age.add_metric(lv, max(0.0, now - float(row["progress_mono"])))
+                age.add_metric(lv, max(0.0, now - float(progress[i])))
                 if row["heartbeat_mono"] > 0:
                     hb.add_metric(lv, max(0.0, now - float(row["heartbeat_mono"])))
                 code = int(row["phase"])
@@ -109,9 +144,9 @@ class TrainwatchCollector(Collector):
             "trainwatch_step_duration_seconds", "Training step duration.", labels=labels
         )
         h = sc.step_hist
-        for (node, rank), counts in sorted(h.counts.items()):
-            buckets = [(str(b), float(c)) for b, c in zip(h.buckets, counts)] + [("+Inf", float(counts[-1]))]
-            hist.add_metric([job, node, str(rank)], buckets, h.sums[(node, rank)])
+        for rank, cumulative, total in h.series():
+            buckets = [(str(b), float(c)) for b, c in zip(h.buckets, cumulative)] + [("+Inf", float(cumulative[-1]))]
+            hist.add_metric([job, sc.node, str(rank)], buckets, total)
         yield hist
 
         incidents = CounterMetricFamily(

@@ -86,6 +86,13 @@ class Armed:
             mark_fired(f, self.tw.rank, self.tw.current_step + 1)
             _ACTIONS[(f.kind, f.params.get("where"))](self.tw, f)
 
+    def wants(self, kind: str, where: str | None = None) -> bool:
+        """True when a fault of this kind (and hang location) is armed here."""
+        return any(f.kind == kind and (where is None or f.params.get("where") == where) for f in self.faults)
+
+    def unfired(self) -> list[FaultSpec]:
+        return [f for i, f in enumerate(self.faults) if i not in self.fired]
+
     def skip_collective(self) -> bool:
         for i, f in enumerate(self.faults):
             if f.kind == "hang" and f.params.get("where") == "collective_skip" and self._due(i, f):

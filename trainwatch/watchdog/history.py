@@ -115,11 +115,11 @@ class HistoryWriter:
                 continue
             rank, step, restart = int(row["rank"]), int(row["step"]), int(row["restart"])
             mono = float(row["progress_mono"])
-            code = int(row["phase"])
-            phase = slots.PHASES[code] if 0 <= code < len(slots.PHASES) else "init"
+            phase = slots.phase_name(row["phase"])
             ratio = ratios.get(rank)
             ratio = _num(ratio, 4) if ratio is not None else None
-            age = round(max(0.0, now - mono), 3) if mono > 0 else None
+            progress = max(mono, float(row["active_mono"]))  # a batch or an eval forward is progress too
+            age = round(max(0.0, now - progress), 3) if progress > 0 else None
             # progress_mono equals start_mono until the first step of this
             # worker generation ends: no step, loss or step time to show yet
             # (a restarted rank's fresh slot says step 0, not its resume step).

@@ -98,4 +98,4 @@ def install(tw) -> None:
         return
     from trainwatch.watchdog import faults as _faults
 
-    _faults.arm(tw, faults)
+    tw.faults = _faults.arm(tw, faults)

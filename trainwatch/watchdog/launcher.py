@@ -100,7 +100,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, WatchConfig]:
+# torchrun and trainwatch options that take no value (every other option does).
+_FLAGS = frozenset({"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
+                    "--no-restart", "-h", "--help"})
+
+
+def prescan_job(argv: list[str]) -> str | None:
+    """The --job value, read without torchrun's parser (which imports torch):
+    options before the script only. None when not given."""
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--job" and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith("--job="):
+            return token.split("=", 1)[1]
+        if not token.startswith("-") or token in ("-m", "--module"):
+            return None  # the script or module: what follows is its own
+        i += 1 if token in _FLAGS or "=" in token else 2
+    return None
+
+
+def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Namespace, WatchConfig]:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -119,7 +140,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, WatchConfig]:
         raise LaunchError(f"--metrics-port must be 0..65535 (0 = free port, -1 = off); got {args.metrics_port}")
     if args.emergency_timeout <= 0:
         raise LaunchError(f"--emergency-timeout must be > 0 seconds; got {args.emergency_timeout}")
-    job = args.job or state.generate_job_name()
+    job = args.job if args.job is not None else (default_job or state.generate_job_name())
     try:
         state.check_job_name(job)
     except state.StateError as e:
@@ -272,7 +293,21 @@ def _worker_command(args: argparse.Namespace, cmd, cmd_args: list[str]) -> tuple
 
 
 def launch(argv: list[str]) -> int:
-    args, config = parse(argv)
+    early = prescan_job(argv)
+    early = state.generate_job_name() if early is None else early
+    marker = state.announce_launch(early)
+    try:
+        return _launch(argv, early, marker)
+    except LaunchError:
+        state.withdraw_launch(marker, failed=True)
+        raise
+
+
+def _launch(argv: list[str], early: str, marker) -> int:
+    args, config = parse(argv, default_job=early)
+    if config.job != early:
+        state.withdraw_launch(marker, failed=True)
+        marker = None
     try:
         state.ensure_home()
         job_dir = state.make_job_dir(config.job)
@@ -347,6 +382,7 @@ def launch(argv: list[str]) -> int:
         faults=[f.to_json() for f in config.faults],
         metrics=None,
     )
+    state.withdraw_launch(marker)
     print(f"[trainwatch] job {config.job}: {entry} on {nslots} local rank(s); state in {job_dir}", flush=True)
 
     sidecar = SidecarProcess(config, segment_path, node)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from trainwatch import slots, state
+from trainwatch import rankrow, slots, state
 
 log = logging.getLogger("trainwatch.sidecar")
 
@@ -36,11 +36,6 @@ def _delta(a, b) -> float | None:
     if a is None or b is None:
         return None
     return round(max(0.0, float(b) - float(a)), 3)
-
-
-def _finite(x) -> float | None:
-    x = float(x)
-    return x if x == x and abs(x) != float("inf") else None
 
 
 class Sidecar:
@@ -74,7 +69,6 @@ class Sidecar:
         from trainwatch.watchdog.exporter import StepHistogram
 
         self.step_hist = StepHistogram()
-        self._last_steps: dict[tuple[int, int], int] = {}
         self._exits_offset = 0
         self._exits_path = self.job_dir / "control" / "exits.jsonl"
         self._hardware: list = []
@@ -128,13 +122,7 @@ class Sidecar:
             self._track_restarts(live)
         self.last_table = live
         self.last_nodes = [self.node] * len(live)
-        for row in live:
-            key = (int(row["rank"]), int(row["restart"]))
-            step = int(row["step"])
-            prev = self._last_steps.get(key)
-            if prev is not None and step > prev:
-                self.step_hist.observe(self.node, key[0], float(row["step_s"]))
-            self._last_steps[key] = step
+        self.step_hist.observe(live)
         return live
 
     # ---- recovery accounting -------------------------------------------------------
@@ -153,7 +141,6 @@ class Sidecar:
         if len(old) or not (new["progress_mono"] > new["start_mono"]).all():
             return
         self._restart_seen = restart
-        resumed_at = int(new["step"].min()) - 1
         first_step_done = float(new["progress_mono"].max())
         started = float(new["start_mono"].min())
         timing = state.read_json(self.job_dir / "control" / "restart-timing.json") or {}
@@ -170,15 +157,26 @@ class Sidecar:
             "first_step_s": _delta(self._gen_ready or started, first_step_done),
         }
         recovery_s = _delta(t_fault, first_step_done)
-        lost = max(0, self._last_step - resumed_at)
         parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in breakdown.items() if v is not None)
+        if (new["step_source"] == slots.STEP_REPORTED).all():
+            # The script numbers its steps: its first step after the restart
+            # says where it resumed.
+            resumed_at = int(new["first_step"][new["first_step"] > 0].min(initial=int(new["step"].min()))) - 1
+            lost = max(0, self._last_step - resumed_at)
+            where = f"resumed from step {resumed_at} (lost {lost} step{'s' if lost != 1 else ''})"
+        else:
+            # Zero-code steps are counted from 0 in every new process: where the
+            # script resumed is its own checkpoint's business, unknown here.
+            resumed_at, lost = None, None
+            where = ("the script restarted from its own checkpoint, if it keeps one "
+                     "(trainwatch counts its steps from 0 in every new process)")
         from trainwatch.watchdog.incident import Incident
 
         self.emit(
             Incident(
                 kind="restart",
                 culprit_ranks=fault.get("culprit_ranks") or [],
-                summary=f"restart {restart}: resumed from step {resumed_at} (lost {lost} step{'s' if lost != 1 else ''})"
+                summary=f"restart {restart}: {where}"
                 + (f", back to training {recovery_s:.1f}s after the fault" if recovery_s is not None else "")
                 + (f" ({parts})" if parts else ""),
                 severity="info",
@@ -208,44 +206,15 @@ class Sidecar:
         fault.update(times)
         self._fault = fault
 
+    def rows(self) -> list:
+        """The last read as RankRows (the one decoder every reader shares)."""
+        if self.last_table is None:
+            return []
+        return rankrow.decode(self.last_table, self.clock(), self.last_nodes)
+
     def snapshot(self) -> list[dict]:
         """Per-rank view of the last read, JSON-ready (for telemetry.json and diagnose)."""
-        table = self.last_table
-        if table is None:
-            return []
-        now = self.clock()
-        out = []
-        for row, node in zip(table, self.last_nodes):
-            code = int(row["phase"])
-            ngroups = max(0, min(int(row["ngroups"]), slots.MAX_GROUPS))
-            out.append(
-                {
-                    "rank": int(row["rank"]),
-                    "local_rank": int(row["local_rank"]),
-                    "node": node,
-                    "pid": int(row["pid"]),
-                    "restart": int(row["restart"]),
-                    "step": int(row["step"]),
-                    "loss": _finite(row["loss"]),
-                    "grad_norm": _finite(row["grad_norm"]),
-                    "step_s": _finite(row["step_s"]),
-                    "phase": slots.PHASES[code] if 0 <= code < len(slots.PHASES) else "init",
-                    "last_progress_s": round(max(0.0, now - float(row["progress_mono"])), 3),
-                    "heartbeat_age_s": round(max(0.0, now - float(row["heartbeat_mono"])), 3)
-                    if row["heartbeat_mono"] > 0 else None,
-                    "py_collectives": int(row["py_collectives"]),
-                    "groups": [
-                        {
-                            "pg": int(g["pg"]),
-                            "enqueued": int(g["enqueued"]),
-                            "completed": int(g["completed"]),
-                            "last_op": g["last_op"].rstrip(b"\0").decode("ascii", "replace"),
-                        }
-                        for g in row["groups"][:ngroups]
-                    ],
-                }
-            )
-        return out
+        return rankrow.rows_json(self.rows())
 
     def write_snapshot(self) -> None:
         state.write_json_atomic(
@@ -283,6 +252,7 @@ class Sidecar:
                 now=self.clock(),
                 table=table,
                 nodes=self.last_nodes,
+                proc_state=process_state,
                 exits=[
                     RankExit(
                         rank=e.get("rank"),
@@ -326,6 +296,9 @@ class Sidecar:
             file=self.out,
             flush=True,
         )
+        why = (record.get("restart") or {}).get("why")
+        if why:
+            print(f"[trainwatch] {why}", file=self.out, flush=True)
         if self.tracer is not None:
             self.tracer.incident(record)
         return record
@@ -356,6 +329,19 @@ class Sidecar:
             self.write_snapshot()
         except Exception:
             log.exception("trainwatch sidecar: final snapshot failed")
+
+
+def process_state(pid: int) -> str | None:
+    """'stopped' for a process in state T/t (SIGSTOP, job control, a debugger),
+    'running', 'sleeping', 'disk-sleep' or 'zombie' otherwise; None when gone."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            raw = f.read()
+        code = raw[raw.rindex(b")") + 2: raw.rindex(b")") + 3]
+    except (OSError, ValueError):
+        return None
+    return {b"T": "stopped", b"t": "tracing-stop", b"R": "running", b"S": "sleeping", b"D": "disk-sleep",
+            b"Z": "zombie"}.get(code, "other")
 
 
 def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:

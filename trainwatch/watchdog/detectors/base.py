@@ -15,7 +15,7 @@ from __future__ import annotations
 import signal as _signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 
@@ -26,10 +26,7 @@ WAIT_CODES = np.array(sorted(slots.PHASE_CODES[p] for p in slots.WAIT_PHASES), d
 SLOW_CODES = np.array(sorted(slots.PHASE_CODES[p] for p in slots.SLOW_PHASES), dtype=np.int32)
 
 
-def phase_name(code: int) -> str:
-    """Phase name for a slot's phase code ('init' for codes from a newer layout)."""
-    code = int(code)
-    return slots.PHASES[code] if 0 <= code < len(slots.PHASES) else "init"
+phase_name = slots.phase_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +76,9 @@ class TickView:
     """Node label of each row of `table` (same order)."""
     exits: list[RankExit] = field(default_factory=list)
     """Rank exits first observed since the previous tick."""
+    proc_state: Callable[[int], str | None] | None = None
+    """Optional probe of a pid's process state ('stopped', 'running', ...): asked only
+    about culprits at incident time, so a stopped process is named as such."""
 
     @classmethod
     def from_table(
@@ -154,6 +154,51 @@ class StepTracker:
         self._step[ranks] = steps
         self._pid[ranks] = pids
         return advanced, restarted
+
+
+class ActivityTracker:
+    """CPU and I/O rates per rank from the heartbeat samples (cpu_s, io_bytes),
+    each over at least `window_s` of heartbeats, so one sampler round's jitter
+    is not a rate. NaN until a rank has two samples that far apart."""
+
+    def __init__(self, window_s: float = 2.0):
+        self.window_s = window_s
+        self._t = np.zeros(0)
+        self._cpu = np.zeros(0)
+        self._io = np.zeros(0)
+        self._pid = np.zeros(0, dtype=np.int64)
+        self.cpu_rate = np.zeros(0)
+        self.io_rate = np.zeros(0)
+
+    def update(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(cpu cores, io bytes/s) aligned with the table rows."""
+        ranks = table["rank"]
+        if len(ranks) == 0:
+            return np.zeros(0), np.zeros(0)
+        size = int(ranks.max()) + 1
+        self._t = grow(self._t, size, 0.0)
+        self._cpu = grow(self._cpu, size, np.nan)
+        self._io = grow(self._io, size, np.nan)
+        self._pid = grow(self._pid, size, 0)
+        self.cpu_rate = grow(self.cpu_rate, size, np.nan)
+        self.io_rate = grow(self.io_rate, size, np.nan)
+        hb = table["heartbeat_mono"]
+        cpu = table["cpu_s"]
+        io = np.where(table["io_bytes"] >= 0, table["io_bytes"].astype(np.float64), np.nan)
+        new = self._pid[ranks] != table["pid"]
+        if new.any():
+            r = ranks[new]
+            self._pid[r] = table["pid"][new]
+            self._t[r], self._cpu[r], self._io[r] = hb[new], cpu[new], io[new]
+            self.cpu_rate[r] = self.io_rate[r] = np.nan
+        dt = hb - self._t[ranks]
+        due = ~new & (hb > 0) & (dt >= self.window_s)
+        if due.any():
+            r = ranks[due]
+            self.cpu_rate[r] = (cpu[due] - self._cpu[r]) / dt[due]
+            self.io_rate[r] = (io[due] - self._io[r]) / dt[due]
+            self._t[r], self._cpu[r], self._io[r] = hb[due], cpu[due], io[due]
+        return self.cpu_rate[ranks], self.io_rate[ranks]
 
 
 class RankRing:

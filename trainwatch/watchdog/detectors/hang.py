@@ -1,16 +1,25 @@
-"""Hang detection: a rank that stopped completing steps, and who it is waiting on.
+"""Hang detection: a job that stopped making progress, and who it is waiting on.
 
-A rank is stale when it has not completed a step for longer than
+Progress is a completed step, and also forward-only work (a DataLoader batch, a
+finished no_grad/inference_mode block), so an evaluation pass is progress too.
+A rank is stale when it made no progress for longer than
 max(floor_s, k x p99 of its own recent step times). That fires within seconds
 of a real hang, far before NCCL's 600 s timeout or gloo's 30 minutes, while a
 job whose steps honestly take a minute is not flagged after five seconds.
 
+Some pauses are honest. A rank in an init, checkpoint or eval phase gets a
+longer allowance, and so does a rank that is busy computing (its CPU time keeps
+advancing and its heartbeat is alive) while nobody waits on it. Once peers wait
+for it in a collective, only a rank that is visibly working (CPU or I/O moving)
+in a slow phase keeps its allowance; everyone else is held to the normal
+threshold. Ranks waiting in a collective are never a hang by themselves while
+some rank is still legitimately working: they are waiting for it.
+
 Naming the culprit matters more than noticing the hang: in a synchronous job
 every rank stops at once. Ranks parked in a wait phase (backward, collective)
-whose collectives are ahead are victims; the culprit is the rank that is
-somewhere else (data loading, compute, checkpoint I/O), whose heartbeat
-stopped (it holds the GIL or is stopped), or that is behind in step or
-collective sequence number.
+are victims; the culprit is the rank that is somewhere else (data loading,
+compute, checkpoint I/O), whose heartbeat stopped (it holds the GIL or is
+stopped), or that is behind in step or collective sequence number.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from trainwatch import slots
 from trainwatch.watchdog.detectors.base import (
     SLOW_CODES,
     WAIT_CODES,
+    ActivityTracker,
     Detector,
     GroupEntries,
     RankRing,
@@ -43,6 +53,7 @@ _CATEGORY_WORDS = {
     "dataloader": "data loading",
     "checkpoint_io": "checkpoint I/O",
     "gc_collect": "holding the GIL",
+    "stopped": "process stopped",
     "other": "compute",
 }
 # A rank is "quiet" (a culprit candidate) after this fraction of its threshold:
@@ -58,7 +69,7 @@ class HangConfig:
     """Thresholds of the hang detector."""
 
     floor_s: float = 5.0
-    """Minimum time without a completed step before a rank counts as hung (s)."""
+    """Minimum time without progress before a rank counts as hung (s)."""
     k: float = 5.0
     """A rank is hung after k x the p99 of its recent step times, when longer than floor_s (factor)."""
     history: int = 50
@@ -67,6 +78,13 @@ class HangConfig:
     """Allowance before a rank's first completed step: compilation, autotuning, first collectives (s)."""
     slow_phase_s: float = 60.0
     """Allowance while the rank itself is in an init, checkpoint or eval phase (s)."""
+    busy_s: float = 300.0
+    """Allowance for a rank outside any phase marker that keeps computing (CPU time advancing,
+    heartbeat alive) while no peer waits for it (s)."""
+    active_cpu: float = 0.2
+    """CPU use, in cores, at or above which a rank counts as working (fraction of a core)."""
+    active_io_bytes_s: float = 1e6
+    """I/O rate at or above which a rank counts as working, e.g. writing a checkpoint (bytes/s)."""
     heartbeat_stale_s: float = 2.0
     """Heartbeat age meaning the rank holds the GIL or is stopped; the sampler beats every 0.2 s (s)."""
 
@@ -80,6 +98,7 @@ class HangDetector(Detector):
         self.config = config or HangConfig()
         self._steps = StepTracker()
         self._step_s = RankRing(self.config.history)
+        self.activity = ActivityTracker()
         # p99 per rank, recomputed lazily: only for ranks that look stale and
         # whose history changed, so a healthy 4096-rank tick never sorts.
         self._p99 = np.zeros(0)
@@ -107,9 +126,10 @@ class HangDetector(Detector):
         if push.any():
             self._step_s.push(ranks[push], step_s[push])
             self._p99_fresh[ranks[push]] = False
+        cpu_rate, io_rate = self.activity.update(t)
 
         now = view.now
-        age = now - t["progress_mono"]
+        age = now - np.fmax(t["progress_mono"], t["active_mono"])
         if not (age > cfg.floor_s * _QUIET_FRACTION).any():
             self._in_episode = False
             return []
@@ -119,30 +139,43 @@ class HangDetector(Detector):
         base[idx] = np.fmax(cfg.floor_s, cfg.k * self._p99_of(ranks[idx]))
 
         phase = t["phase"]
-        step = t["step"]
+        done = phase == _DONE
         in_wait = np.isin(phase, WAIT_CODES)
         in_slow = np.isin(phase, SLOW_CODES)
-        started = step >= 1
-        limit = base.copy()
-        limit[~started] = np.fmax(base[~started], cfg.warmup_s)
-        lenient = started & in_slow
-        limit[lenient] = np.fmax(base[lenient], cfg.slow_phase_s)
-        stale = (age > limit) & (phase != _DONE)
+        started = t["step"] >= 1
+        hb = t["heartbeat_mono"]
+        hb_age = np.where(hb > 0, now - hb, np.nan)
+        hb_stale = hb_age > cfg.heartbeat_stale_s
+        active = ~hb_stale & ((cpu_rate >= cfg.active_cpu) | (io_rate >= cfg.active_io_bytes_s))
         stuck = age > base
         quiet = age > base * _QUIET_FRACTION
-        # A rank may checkpoint or evaluate for a minute, but not while its
-        # peers sit in a collective waiting for it: then they are its victims
-        # and the normal threshold applies.
-        blockers = quiet & started & in_slow
-        override = stuck & started & in_wait & blockers.any()
-        involved = stale | override
+        peers_waiting = bool((stuck & in_wait & ~done).any())
+
+        limit = base.copy()
+        limit[~started] = np.fmax(base[~started], cfg.warmup_s)
+        # A slow phase keeps its allowance while nobody waits, or while the rank
+        # visibly works through it (a checkpoint being written, an eval running).
+        slow_ok = started & in_slow & (active | (not peers_waiting))
+        limit[slow_ok] = np.fmax(base[slow_ok], cfg.slow_phase_s)
+        if not peers_waiting:
+            busy = started & ~in_wait & ~in_slow & active
+            limit[busy] = np.fmax(base[busy], cfg.busy_s)
+        elsewhere = ~in_wait & ~done
+        stale = elsewhere & (age > limit)
+        # Someone outside a collective still within its allowance: the ranks
+        # that wait are waiting for it, not hung.
+        working = elsewhere & ~stale
+        involved = stale.copy()
+        if not working.any():
+            involved |= in_wait & ~done & (age > limit)
         if not involved.any():
             self._in_episode = False
             return []
         if self._in_episode:
             return []
         self._in_episode = True
-        return [self._incident(view, age, limit, stale, override, quiet, in_wait, in_slow, started)]
+        ctx = _Context(view, age, limit, involved, quiet, in_wait, slow_ok, started, hb_age, hb_stale)
+        return [self._incident(ctx)]
 
     def _p99_of(self, ranks: np.ndarray) -> np.ndarray:
         need = ranks[~self._p99_fresh[ranks]]
@@ -153,23 +186,17 @@ class HangDetector(Detector):
             self._p99_fresh[need] = True
         return self._p99[ranks]
 
-    def _incident(self, view, age, limit, stale, override, quiet, in_wait, in_slow, started) -> Incident:
-        t = view.table
-        cfg = self.config
+    def _incident(self, c: _Context) -> Incident:
+        view, t = c.view, c.view.table
         now = view.now
         ranks = t["rank"]
         step = t["step"]
-        hb = t["heartbeat_mono"]
-        hb_age = np.where(hb > 0, now - hb, np.nan)
-        hb_stale = hb_age > cfg.heartbeat_stale_s
-        involved = stale | override
+        involved = c.involved
 
-        culprit = (stale & ~in_wait) | (quiet & hb_stale)
+        culprit = (involved & ~c.in_wait) | (c.quiet & c.hb_stale)
         # Not yet past its own threshold but clearly not progressing either,
-        # outside any wait and with no excuse (warm-up, slow phase).
-        culprit |= quiet & ~in_wait & started & ~in_slow & (step <= step[involved].max())
-        if override.any():
-            culprit |= quiet & started & in_slow
+        # outside any wait and with no excuse (warm-up, a slow phase it works through).
+        culprit |= c.quiet & ~c.in_wait & c.started & ~c.lenient & (step <= step[involved].max())
         pattern = "rank_elsewhere"
         behind_seq = None
         if not culprit.any():
@@ -184,46 +211,59 @@ class HangDetector(Detector):
                 if behind_seq is not None:
                     culprit[list(behind_seq[2])] = True
                     pattern = "behind_in_seq"
-        victims = (involved | quiet) & in_wait & ~culprit
+        victims = (involved | c.quiet) & c.in_wait & ~culprit
 
         c_rows = np.nonzero(culprit)[0]
         v_rows = np.nonzero(victims)[0]
         culprits = ranks[c_rows].tolist()
         at_step = int(step[involved].max())
-        if pattern == "rank_elsewhere" and hb_stale[c_rows].any():
+        stopped_rows = []
+        if pattern == "rank_elsewhere" and c.hb_stale[c_rows].any():
             pattern = "gil_or_stopped"
+            if view.proc_state is not None:
+                stopped_rows = [r for r in c_rows if view.proc_state(int(t["pid"][r])) == "stopped"]
+            if stopped_rows:
+                pattern = "stopped"
 
-        if pattern in ("rank_elsewhere", "gil_or_stopped"):
+        if pattern in ("rank_elsewhere", "gil_or_stopped", "stopped"):
             cats: Counter = Counter()
-            for code, gil in zip(t["phase"][c_rows].tolist(), hb_stale[c_rows].tolist()):
-                cats[_PHASE_CATEGORY.get(phase_name(code)) or ("gc_collect" if gil else "other")] += 1
+            for r in c_rows:
+                gil = c.hb_stale[r]
+                cat = "stopped" if r in stopped_rows else _PHASE_CATEGORY.get(phase_name(t["phase"][r]))
+                cats[cat or ("gc_collect" if gil else "other")] += 1
             category = cats.most_common(1)[0][0]
         else:
             category = "collective_wait"
 
         codes, n_codes = np.unique(t["phase"][v_rows], return_counts=True)
-        victim_phases = {phase_name(c): int(n) for c, n in zip(codes, n_codes)}
+        victim_phases = {phase_name(code): int(n) for code, n in zip(codes, n_codes)}
         wait_words = "/".join(sorted(victim_phases)) or "a collective"
-        span = float(age[involved].max())
-        if pattern in ("rank_elsewhere", "gil_or_stopped"):
-            lead = c_rows[int(np.argmax(age[c_rows]))]
+        span = float(c.age[involved].max())
+        if pattern in ("rank_elsewhere", "gil_or_stopped", "stopped"):
+            lead = c_rows[int(np.argmax(c.age[c_rows]))]
             ph = phase_name(t["phase"][lead])
-            in_phase = now - float(t["phase_mono"][lead])
-            stuck_for = in_phase if 0 < in_phase <= age[lead] else float(age[lead])
+            idle = float(c.age[lead])
             who = describe_ranks(culprits)
             one = len(culprits) == 1
             if view.nodes and len(set(view.nodes)) > 1:
                 who += f" ({', '.join(sorted({view.nodes[r] for r in c_rows}))})"
-            if pattern == "gil_or_stopped":
+            if pattern == "stopped":
                 text = (
-                    f"hang: {who} {'holds' if one else 'hold'} the GIL or {'is' if one else 'are'} stopped "
-                    f"(no heartbeat for {hb_age[lead]:.1f} s) "
-                    f"in phase '{ph}' for {stuck_for:.1f} s at step {int(step[lead])}"
+                    f"hang: {who} {'is' if one else 'are'} stopped (process state T: SIGSTOP, job control "
+                    f"or a debugger; no heartbeat for {c.hb_age[lead]:.1f} s) in phase '{ph}', "
+                    f"no progress for {idle:.1f} s at step {int(step[lead])}"
+                )
+            elif pattern == "gil_or_stopped":
+                unknown = " or is stopped" if one else " or are stopped"
+                text = (
+                    f"hang: {who} {'holds' if one else 'hold'} the GIL{unknown if view.proc_state is None else ''} "
+                    f"(no heartbeat for {c.hb_age[lead]:.1f} s) in phase '{ph}', "
+                    f"no progress for {idle:.1f} s at step {int(step[lead])}"
                 )
             else:
                 text = (
                     f"hang: {who} stuck in phase '{ph}' ({_CATEGORY_WORDS.get(category, 'compute')}, "
-                    f"outside any collective) for {stuck_for:.1f} s at step {int(step[lead])}"
+                    f"outside any collective), no progress for {idle:.1f} s at step {int(step[lead])}"
                 )
             if len(v_rows):
                 text += f"; {describe_ranks(ranks[v_rows])} wait in {wait_words} (victims)"
@@ -252,7 +292,7 @@ class HangDetector(Detector):
         evidence: dict = {
             "pattern": pattern,
             "step": at_step,
-            "threshold_s": round(float(limit[involved].min()), 3),
+            "threshold_s": round(float(c.limit[involved].min()), 3),
             "stalled_ranks": int(involved.sum()),
             "victim_count": len(v_rows),
             "victim_phases": dict(victim_phases),
@@ -261,10 +301,11 @@ class HangDetector(Detector):
                     "node": view.nodes[r] if view.nodes else "",
                     "phase": phase_name(t["phase"][r]),
                     "step": int(step[r]),
-                    "no_progress_s": round(float(age[r]), 3),
+                    "no_progress_s": round(float(c.age[r]), 3),
                     "in_phase_s": round(float(now - t["phase_mono"][r]), 3),
-                    "heartbeat_age_s": None if np.isnan(hb_age[r]) else round(float(hb_age[r]), 3),
-                    "threshold_s": round(float(limit[r]), 3),
+                    "heartbeat_age_s": None if np.isnan(c.hb_age[r]) else round(float(c.hb_age[r]), 3),
+                    "threshold_s": round(float(c.limit[r]), 3),
+                    "stopped": bool(r in stopped_rows),
                 }
                 for r in c_rows[:_MAX_LISTED]
             },
@@ -284,11 +325,27 @@ class HangDetector(Detector):
             victims=ranks[v_rows].tolist(),
             summary=text,
             severity="high",
-            runbook="hang",
+            runbook="stopped" if category == "stopped" else "hang",
             category=category,
             evidence=evidence,
             detected_mono=now,
         )
+
+
+@dataclass(slots=True)
+class _Context:
+    """One tick's per-row facts the incident text is built from."""
+
+    view: TickView
+    age: np.ndarray
+    limit: np.ndarray
+    involved: np.ndarray
+    quiet: np.ndarray
+    in_wait: np.ndarray
+    lenient: np.ndarray
+    started: np.ndarray
+    hb_age: np.ndarray
+    hb_stale: np.ndarray
 
 
 def _same_op(t: np.ndarray, rows: np.ndarray) -> str:

@@ -4,23 +4,25 @@ Two signals, because a desync often does not hang at all (measured with gloo:
 when one rank skips an all_reduce, every later all_reduce pairs with the wrong
 step's partner and values are silently wrong until a rank exits):
 
-(a) live, at every step: the count of Python-issued collectives at the end of
-    each step must be equal on all ranks. The slot publishes the running count
-    at step end and at every phase change, so one read gives bounds, not
-    always the exact end-of-step count:
-      - read while a rank's last completed step is S: count >= end(S)
-        (an upper bound of end(S)), and exact when no phase began since the
-        step ended (phase_mono <= progress_mono);
-      - read while a rank is inside step S (last completed S-1): count <= end(S)
-        (a lower bound of end(S)).
-    If some rank's upper bound for step S is below another rank's lower bound,
-    they cannot have issued the same collectives by the end of S. This covers
-    "two ranks completed S with different counts" and "rank A completed S
-    with fewer collectives than rank B has already issued inside S".
-(b) RAS-style, when ranks are stalled: members of a process group parked in a
-    collective must agree on the flight recorder's last launched sequence
-    number and op ("3 ranks have launched up to operation 812; rank 5 only up
-    to 811"). The ranks behind are the culprits.
+(a) live, at equal step numbers: at the end of every step each rank records,
+    in one atomic write with the step, how many Python collectives it issued
+    on world-spanning groups and the default process group's sequence number
+    (which also counts DDP's and FSDP's own collectives). The slot keeps the
+    last few steps, so ranks a step or two apart still share steps to compare.
+    Collectives issued between steps (a metric all-reduce after the optimizer
+    step, FSDP's prefetches, gradient accumulation) land in the next step's
+    count on every rank alike, so a healthy job always agrees. A skipped or
+    extra collective offsets every later count: a mismatch is called only
+    when the same ranks disagree in the same direction at `persist_steps`
+    consecutive compared steps, never from one boundary reading.
+(b) RAS-style, when ranks are stuck: when every stalled rank is parked in a
+    collective (one launched and not completed, or blocked in a Python
+    collective call) for about as long as a hang takes, the members of each
+    process group must agree on the last launched sequence number and op
+    ("3 ranks have launched up to operation 812; rank 5 only up to 811").
+    If any stalled rank is somewhere else (computing, loading data, blocked
+    in a send/recv), that rank is hung and the others wait for it: a hang,
+    named by the hang detector, not a desync.
 """
 
 from __future__ import annotations
@@ -34,14 +36,13 @@ from trainwatch import slots
 from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, op_name
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
-# Phases whose rank has an honest reason not to have reached the collective
-# yet (loading data, writing a checkpoint, evaluating, starting up, done):
-# a rank stuck there is a hang, named by the hang detector, not a desync.
-# RAS-style comparison only among ranks parked in a collective. A rank that is
-# behind because it is still computing, loading data or saving is hung, not
-# desynchronised: the hang detector names it, with the right category.
-_WAITING = np.array([slots.PHASE_CODES[p] for p in sorted(slots.WAIT_PHASES)], dtype=np.int32)
+_COLLECTIVE = slots.PHASE_CODES["collective"]
+_DONE = slots.PHASE_CODES["done"]
 _MAX_LISTED = 32
+_SOURCES = {
+    "colls": ("py_collectives", "Python collectives on world-spanning groups"),
+    "seq": ("default_pg_seq", "collectives on the default process group"),
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,19 +50,27 @@ class CollectiveMismatchConfig:
     """Settings of the collective mismatch detector."""
 
     live_counts: bool = True
-    """Compare per-step Python collective counts across ranks; turn off when ranks legitimately
-    issue different numbers of collectives (e.g. pipeline stages) (flag)."""
-    history: int = 8
-    """Steps of per-rank count bounds kept for the live comparison (steps)."""
-    stall_s: float = 3.0
-    """Time without a completed step and without a newly launched collective before ranks'
-    sequence numbers are compared (s)."""
-    stall_factor: float = 2.0
+    """Compare end-of-step collective counts across ranks; turn off when ranks legitimately
+    issue different collectives on the default group (e.g. some pipeline schedules) (flag)."""
+    persist_steps: int = 3
+    """Consecutive compared steps the same ranks must disagree in the same direction (steps)."""
+    stall_s: float = 4.0
+    """Time without a completed step before parked ranks' sequence numbers are compared (s)."""
+    stall_factor: float = 4.0
     """...and at least this multiple of the rank's last step time, so long steps are not stalls (factor)."""
     settle_s: float = 1.0
     """Sequence numbers must be unchanged this long (five sampler rounds) before they are compared (s)."""
     heartbeat_stale_s: float = 2.0
     """A rank whose heartbeat is older holds the GIL or is stopped; it is hung, not desynced (s)."""
+
+
+@dataclass(slots=True)
+class _Disagreement:
+    key: tuple
+    """(source, direction, culprit ranks)."""
+    steps: list
+    """Compared steps at which it was seen, newest last."""
+    detail: dict
 
 
 class CollectiveMismatchDetector(Detector):
@@ -71,16 +80,12 @@ class CollectiveMismatchDetector(Detector):
 
     def __init__(self, config: CollectiveMismatchConfig | None = None):
         self.config = config or CollectiveMismatchConfig()
-        if self.config.history < 2:
-            raise ValueError(f"collective mismatch history must be >= 2 steps; got {self.config.history}")
-        h = self.config.history
+        if self.config.persist_steps < 1:
+            raise ValueError(f"persist_steps must be >= 1; got {self.config.persist_steps}")
         self._steps = StepTracker()
-        # Bounds of each rank's end-of-step count, in a ring keyed by step % h;
-        # the tag says which step a cell belongs to.
-        self._up_tag = np.full((0, h), -1, dtype=np.int64)
-        self._up_val = np.zeros((0, h), dtype=np.int64)
-        self._lo_tag = np.full((0, h), -1, dtype=np.int64)
-        self._lo_val = np.zeros((0, h), dtype=np.int64)
+        self._last_compared = 0
+        self._open: _Disagreement | None = None
+        self._current: Incident | None = None
         # Last seen (pg, enqueued) per rank and group slot, and since when.
         self._pg = np.full((0, slots.MAX_GROUPS), -1, dtype=np.int64)
         self._enq = np.full((0, slots.MAX_GROUPS), -2, dtype=np.int64)
@@ -91,21 +96,14 @@ class CollectiveMismatchDetector(Detector):
         t = view.table
         if len(t) == 0:
             return []
-        ranks = t["rank"]
-        size = int(ranks.max()) + 1
-        self._up_tag = grow(self._up_tag, size, -1)
-        self._up_val = grow(self._up_val, size, 0)
-        self._lo_tag = grow(self._lo_tag, size, -1)
-        self._lo_val = grow(self._lo_val, size, 0)
+        size = int(t["rank"].max()) + 1
         self._pg = grow(self._pg, size, -1)
         self._enq = grow(self._enq, size, -2)
         self._since = grow(self._since, size, 0.0)
         self._tracked = grow(self._tracked, size, np.nan)
         _, restarted = self._steps.update(t)
         if restarted.any():
-            gone = ranks[restarted]
-            self._up_tag[gone] = -1
-            self._lo_tag[gone] = -1
+            self._open, self._current, self._last_compared = None, None, 0
         out = []
         if self.config.live_counts:
             found = self._live(view)
@@ -116,94 +114,113 @@ class CollectiveMismatchDetector(Detector):
             out.append(found)
         return out
 
-    # ---- (a) live per-step counts ------------------------------------------------
-
-    def _bound(self, tag: np.ndarray, val: np.ndarray, ranks, steps, counts, keep) -> None:
-        if len(ranks) == 0:
-            return
-        j = steps % self.config.history
-        same = tag[ranks, j] == steps
-        val[ranks, j] = np.where(same, keep(val[ranks, j], counts), counts)
-        tag[ranks, j] = steps
+    # ---- (a) exact end-of-step counts -------------------------------------------
 
     def _live(self, view: TickView) -> Incident | None:
         t = view.table
-        ranks = t["rank"]
-        step = t["step"]
-        count = t["py_collectives"]
-        done = step >= 1
-        exact = done & (t["phase_mono"] <= t["progress_mono"])
-        self._bound(self._up_tag, self._up_val, ranks[done], step[done], count[done], np.minimum)
-        self._bound(self._lo_tag, self._lo_val, ranks, step + 1, count, np.maximum)
-        self._bound(self._lo_tag, self._lo_val, ranks[exact], step[exact], count[exact], np.maximum)
-
-        h = self.config.history
-        # The steps ranks are at now and the ones they are inside: a skipped
-        # call offsets every later count, so recent steps are enough.
-        first = int(step[done].min()) if done.any() else 1
-        last = int(step.max()) + 1
-        up_tag, up_val = self._up_tag[ranks], self._up_val[ranks]
-        lo_tag, lo_val = self._lo_tag[ranks], self._lo_val[ranks]
-        for s in range(max(first, last - h + 2), last + 1):
-            j = s % h
-            has_up = up_tag[:, j] == s
-            has_lo = lo_tag[:, j] == s
-            if not (has_up.any() and has_lo.any()):
+        gen = t["restart"] == t["restart"].max()
+        ring = t["ring"][gen]
+        ranks = np.repeat(t["rank"][gen], slots.RING)
+        steps = ring["step"].ravel()
+        usable = steps > self._last_compared
+        if not usable.any():
+            return self._current
+        n_ranks = int(gen.sum())
+        for s in np.unique(steps[usable]):
+            at = steps == s
+            if at.sum() < 2:
                 continue
-            up = up_val[:, j]
-            lo = lo_val[:, j]
-            min_up = up[has_up].min()
-            max_lo = lo[has_lo].max()
-            if min_up >= max_lo:
-                continue
-            behind = has_up & (up < max_lo)
-            ahead = has_lo & (lo > min_up)
-            return self._live_incident(view, s, behind, ahead, up, lo, int(min_up), int(max_lo))
-        return None
+            verdict = None
+            for source in ("colls", "seq"):
+                values = ring[source].ravel()[at]
+                known = values >= 0
+                if known.sum() >= 2 and len(np.unique(values[known])) > 1:
+                    verdict = self._odd_ones(source, int(s), ranks[at][known], values[known])
+                    break
+            complete = int(at.sum()) == n_ranks
+            if verdict is not None or complete:
+                # Agreement counts only once every rank posted the step: a
+                # lagging culprit has not shown its count yet.
+                self._observe(int(s), verdict)
+            if complete:
+                self._last_compared = max(self._last_compared, int(s))
+        if self._open is not None and len(self._open.steps) >= self.config.persist_steps and self._current is None:
+            self._current = self._live_incident(view, self._open)
+        return self._current
 
-    def _live_incident(self, view, s, behind, ahead, up, lo, min_up, max_lo) -> Incident:
-        ranks = view.table["rank"]
-        # The ranks behind are the culprits (one skipped call makes everyone
-        # else look ahead). When the side behind is the larger one, a single
-        # rank issuing an extra call is the likelier story: name the minority.
-        extra = int(behind.sum()) > int(ahead.sum())
-        if extra:
-            c_rows, v_rows = np.nonzero(ahead)[0], np.nonzero(behind)[0]
-            counts = {int(ranks[r]): int(lo[r]) for r in c_rows[:_MAX_LISTED]}
-            text = (
-                f"collective mismatch: {describe_ranks(ranks[c_rows])} issued more collectives than "
-                f"{describe_ranks(ranks[v_rows])} by the end of step {s} "
-                f"(at least {max_lo} vs at most {min_up}): an extra collective desynchronises every later one"
-            )
+    def _odd_ones(self, source: str, step: int, ranks: np.ndarray, values: np.ndarray):
+        counts = Counter(values.tolist())
+        ref, n_ref = counts.most_common(1)[0]
+        ties = [v for v, n in counts.items() if n == n_ref]
+        if len(ties) > 1:
+            ref = max(ties)  # a tie: the ranks behind (a skipped call is likelier) are the odd ones
+        odd = values != ref
+        direction = "fewer" if (values[odd] < ref).all() else "more" if (values[odd] > ref).all() else "different"
+        culprits = tuple(sorted(ranks[odd].tolist()))
+        detail = {
+            "source": _SOURCES[source][0],
+            "step": step,
+            "reference": int(ref),
+            "culprit_counts": {int(r): int(v) for r, v in zip(ranks[odd][:_MAX_LISTED], values[odd][:_MAX_LISTED])},
+            "victims": sorted(ranks[~odd].tolist()),
+        }
+        return (source, direction, culprits), detail
+
+    def _observe(self, step: int, verdict) -> None:
+        if verdict is None:
+            # Agreement at a newer step ends a disagreement (and its incident).
+            if self._open is not None and step > self._open.steps[-1]:
+                self._open, self._current = None, None
+            return
+        key, detail = verdict
+        if self._open is None or self._open.key != key:
+            if self._current is not None:
+                return  # one incident at a time; it ends when counts agree again
+            self._open = _Disagreement(key, [step], detail)
+        elif step > self._open.steps[-1]:
+            self._open.steps.append(step)
+            self._open.detail = detail
+
+    def _live_incident(self, view: TickView, d: _Disagreement) -> Incident:
+        source, direction, culprits = d.key
+        detail = d.detail
+        victims = detail["victims"]
+        what = _SOURCES[source][1]
+        culprit_values = sorted(set(detail["culprit_counts"].values()))
+        theirs = "/".join(str(v) for v in culprit_values)
+        span = f"steps {d.steps[0]}-{d.steps[-1]}" if len(d.steps) > 1 else f"step {d.steps[0]}"
+        if direction == "fewer":
+            why = "a skipped collective pairs every later one with the wrong step's partner"
+        elif direction == "more":
+            why = "an extra collective desynchronises every later one"
         else:
-            c_rows, v_rows = np.nonzero(behind)[0], np.nonzero(ahead)[0]
-            counts = {int(ranks[r]): int(up[r]) for r in c_rows[:_MAX_LISTED]}
-            text = (
-                f"collective mismatch: {describe_ranks(ranks[c_rows])} issued fewer collectives than "
-                f"{describe_ranks(ranks[v_rows])} by the end of step {s} "
-                f"(at most {min_up} vs at least {max_lo}): a skipped collective pairs every later one "
-                f"with the wrong step's partner"
-            )
+            why = "ranks issue different collectives"
+        text = (
+            f"collective mismatch: {describe_ranks(culprits)} issued {direction} {what} than "
+            f"{describe_ranks(victims)} at the end of {span} ({theirs} vs {detail['reference']} "
+            f"at step {detail['step']}): {why}"
+        )
         return Incident(
             kind="collective_mismatch",
-            culprit_ranks=ranks[c_rows].tolist(),
-            victims=ranks[v_rows].tolist(),
+            culprit_ranks=list(culprits),
+            victims=victims,
             summary=text,
             severity="high",
             runbook="collective-mismatch",
             category="collective_mismatch",
             evidence={
-                "source": "py_collectives",
-                "step": s,
-                "culprit_counts": counts,
-                "peers_min_upper": min_up,
-                "peers_max_lower": max_lo,
-                "extra_collective": extra,
+                "source": detail["source"],
+                "steps": list(d.steps),
+                "step": detail["step"],
+                "culprit_counts": detail["culprit_counts"],
+                "reference_count": detail["reference"],
+                "direction": direction,
             },
+            key=f"collective_mismatch:{','.join(map(str, culprits))}",
             detected_mono=view.now,
         )
 
-    # ---- (b) RAS-style sequence numbers of stalled ranks -------------------------
+    # ---- (b) RAS-style sequence numbers of parked ranks --------------------------
 
     def _ras(self, view: TickView) -> Incident | None:
         t = view.table
@@ -233,14 +250,24 @@ class CollectiveMismatchDetector(Detector):
         self._since[ranks, :width] = since
         self._tracked[ranks] = sub["progress_mono"]
 
-        limit = np.fmax(cfg.stall_s, cfg.stall_factor * sub["step_s"])
+        ng = np.clip(sub["ngroups"], 0, slots.MAX_GROUPS)
+        in_group = np.arange(width)[None, :] < ng[:, None]
+        limit = np.fmax(cfg.stall_s, cfg.stall_factor * np.nan_to_num(sub["step_s"]))
         hb = sub["heartbeat_mono"]
         hb_stale = (hb > 0) & (now - hb > cfg.heartbeat_stale_s)
-        stalled = (age[rows] >= limit) & (sub["step"] >= 1) & np.isin(sub["phase"], _WAITING) & ~hb_stale
-        if not stalled.any():
+        # Parked: a launched collective has not completed (the flight recorder
+        # counts collectives only, so a rank blocked in a send/recv is not
+        # parked), or, without the flight recorder, blocked in a Python
+        # collective call.
+        outstanding = (in_group & (enq > groups["completed"])).any(axis=1)
+        parked = np.where(sub["fr_ok"] > 0, outstanding, sub["phase"] == _COLLECTIVE)
+        stalled = (age[rows] >= limit) & (sub["step"] >= 1) & ~hb_stale & (sub["phase"] != _DONE)
+        if not stalled.any() or (stalled & ~parked).any():
+            # A stalled rank that is not waiting in a collective is hung
+            # elsewhere (data, compute, a send/recv): the hang detector's call.
             return None
-        ng = np.clip(sub["ngroups"], 0, slots.MAX_GROUPS)
-        valid = (np.arange(width)[None, :] < ng[:, None]) & stalled[:, None]
+        stalled &= parked
+        valid = in_group & stalled[:, None]
         # Sampled at different instants, moving counters always differ a little;
         # compare only numbers that have settled.
         valid &= (now - since >= cfg.settle_s) & (enq >= 0)
@@ -292,7 +319,7 @@ class CollectiveMismatchDetector(Detector):
             kind="collective_mismatch",
             culprit_ranks=culprits,
             victims=ranks[at_top].tolist(),
-            summary=f"collective mismatch in pg {pg}: " + "; ".join(parts),
+            summary=f"collective mismatch in pg {pg}: " + "; ".join(parts) + " (all of them waiting in a collective)",
             severity="high",
             runbook="collective-mismatch",
             category="collective_mismatch",

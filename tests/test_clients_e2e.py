@@ -1,0 +1,124 @@
+"""Real training scripts, unmodified, under `trainwatch launch` (tests/clients/):
+Lightning Fabric and Trainer, accelerate, FSDP2, a pipeline-parallel microbatch
+loop, validation passes, metric all-reduces after the step, gradient
+accumulation, a script with its own checkpoints, torch.compile.
+
+Healthy, each must finish with 0 incidents and 0 restarts, show its steps and
+loss in `diagnose --json`, and exit as plain torchrun does. With one injected
+hang, each must produce exactly one incident naming the right rank, restart,
+and finish."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from util import BIN, ROOT, env_for, events, job_json, stop_group, wait_for
+
+pytestmark = pytest.mark.slow
+
+CLIENTS_DIR = ROOT / "tests" / "clients"
+# script -> (ranks, args, injected hang, culprit rank)
+CLIENTS = {
+    "fabric_lm.py": (2, ["--steps", "40"], "hang:where=dataloader,rank=1,step=12", 1),
+    "lightning_trainer.py": (2, ["--steps", "40"], "hang:where=compute,rank=1,step=12", 1),
+    "accelerate_loop.py": (2, ["--steps", "40"], "hang:where=dataloader,rank=1,step=12", 1),
+    "fsdp_train.py": (2, ["--steps", "40"], "hang:where=compute,rank=1,step=12", 1),
+    "pipeline_microbatch.py": (4, ["--steps", "40"], "hang:where=dataloader,rank=3,step=12", 3),
+    "ddp_validation.py": (2, ["--steps", "60"], "hang:where=dataloader,rank=0,step=25", 0),
+    "ddp_metric_allreduce.py": (2, ["--steps", "60"], "hang:where=compute,rank=1,step=12", 1),
+    "ddp_grad_accum.py": (4, ["--steps", "30"], "hang:where=dataloader,rank=2,step=12", 2),
+    "ddp_own_checkpoint.py": (2, ["--steps", "60", "--ckpt-every", "20"], "hang:where=checkpoint,rank=1,step=25", 1),
+    "ddp_compile.py": (2, ["--steps", "40"], "hang:where=dataloader,rank=1,step=12", 1),
+}
+
+
+# Healthy runs only: validation passes far longer than the hang floor (5 s), as
+# a large model's evaluation is, with no optimizer step in them.
+SLOW_EVAL = {
+    "fabric_lm.py": ["--val-every", "20", "--val-sleep", "0.14"],  # 50 batches: 7 s
+    "lightning_trainer.py": ["--val-every", "20", "--val-sleep", "0.7"],  # 10 batches: 7 s
+    "accelerate_loop.py": ["--eval-every", "20", "--val-sleep", "1.75"],  # 4 batches: 7 s
+    "ddp_validation.py": ["--val-every", "30", "--val-sleep", "1.75"],  # 4 batches: 7 s
+}
+
+
+def client_env(home: Path) -> dict:
+    return env_for(home, CKPT_DIR=str(home / "client-ckpt"))
+
+
+def run(cmd: list[str], home: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=client_env(home), capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+
+
+def launch_cmd(job: str, script: str, ranks: int, args: list[str], *extra: str) -> list[str]:
+    return [str(BIN / "trainwatch"), "launch", "--nproc-per-node", str(ranks), "--job", job, *extra,
+            str(CLIENTS_DIR / script), *args]
+
+
+def unique(script: str) -> str:
+    return f"{Path(script).stem.replace('_', '-')}-{uuid.uuid4().hex[:8]}"
+
+
+def diagnose(home: Path, job: str) -> dict | None:
+    r = run([str(BIN / "trainwatch"), "diagnose", job, "--json"], home, timeout=60)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+@pytest.mark.parametrize("script", CLIENTS)
+def test_client_healthy_run_has_no_incident(tmp_path, script):
+    ranks, args, _, _ = CLIENTS[script]
+    plain = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                 str(CLIENTS_DIR / script), *args], tmp_path / "plain")
+    assert "done:" in plain.stdout, plain.stdout[-2000:] + plain.stderr[-3000:]
+
+    job = unique(script)
+    home = tmp_path / "tw"
+    log = tmp_path / "launch.log"
+    with open(log, "w") as out:
+        slow = args + SLOW_EVAL.get(script, []) + ["--sleep", "0.05"]
+        proc = subprocess.Popen(launch_cmd(job, script, ranks, slow), env=client_env(home),
+                                stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True)
+    try:
+        def stepping():
+            report = diagnose(home, job)
+            if report and report["status"] == "running" and len(report["ranks"]) == ranks and all(
+                    (r.get("step") or 0) > 0 for r in report["ranks"]):
+                return report
+            if proc.poll() is not None:
+                return diagnose(home, job)  # finished first: the last snapshot must show the same
+            return None
+
+        live = wait_for(stepping, 240, interval=0.5, what="diagnose showing steps")
+        rc = proc.wait(timeout=300)
+    finally:
+        stop_group(proc)
+    text = log.read_text()
+    assert rc == plain.returncode == 0, text[-4000:]
+    found = [e for e in events(home, job)]
+    assert found == [], [e.get("summary") for e in found]
+    assert (job_json(home, job) or {}).get("restarts") == 0
+    assert len(live["ranks"]) == ranks
+    assert all((r["step"] or 0) > 0 for r in live["ranks"]), live["ranks"]
+    assert any(r["loss"] is not None for r in live["ranks"]), live["ranks"]
+    final = diagnose(home, job)
+    assert final["verdict"]["category"] == "finished", final["verdict"]
+
+
+@pytest.mark.parametrize("script", CLIENTS)
+def test_client_injected_hang_is_one_incident_with_the_right_culprit(tmp_path, script):
+    ranks, args, inject, culprit = CLIENTS[script]
+    job = unique(script)
+    r = run(launch_cmd(job, script, ranks, args, "--inject", inject), tmp_path, timeout=400)
+    found = [e for e in events(tmp_path, job) if e["kind"] != "restart"]
+    assert [e["kind"] for e in found] == ["hang"], [e.get("summary") for e in found] + [r.stdout[-3000:]]
+    assert found[0]["culprit_ranks"] == [culprit], found[0]["summary"]
+    assert culprit not in found[0]["victims"]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (job_json(tmp_path, job) or {}).get("restarts") == 1

@@ -1,0 +1,147 @@
+"""One rank as every reader sees it: the single decoder of a slot table.
+
+The sidecar's snapshot (telemetry.json), the exporter, the history, `diagnose`
+and the verdict all read ranks through `decode()`, so a slot field is turned
+into a number in one place, and a field added to the slot layout is added here
+once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from trainwatch import slots
+
+
+@dataclass(frozen=True, slots=True)
+class RankRow:
+    """One consistent read of one rank. Durations are seconds before `now`."""
+
+    rank: int
+    local_rank: int
+    node: str
+    pid: int
+    restart: int
+    """The worker group generation (torchelastic's restart count) this process belongs to."""
+    step: int
+    """Last completed step (0: none yet)."""
+    step_source: str
+    """'reported' (the script's own step numbers, trainer API) or 'counted'
+    (optimizer steps trainwatch counted since this process started)."""
+    loss: float | None
+    grad_norm: float | None
+    step_s: float | None
+    """Duration of the last step."""
+    compute_s: float | None
+    phase: str
+    last_progress_s: float
+    """Since the last progress of any kind: a step, a batch, an eval forward."""
+    last_step_s: float
+    """Since the last completed step (or the process start before the first)."""
+    phase_s: float
+    """Time in the current phase."""
+    heartbeat_age_s: float | None
+    """Since the rank's background thread last ran (None before its first beat)."""
+    cpu_s: float | None
+    """Process CPU time at the last heartbeat."""
+    py_collectives: int
+    batches: int
+    groups: tuple[slots.CollectiveGroup, ...] = field(default_factory=tuple)
+
+    @property
+    def collectives(self) -> dict:
+        """The first process group's sequence numbers (DESIGN.md's `collectives`)."""
+        g = self.groups[0] if self.groups else None
+        return {
+            "enqueued": g.enqueued if g else None,
+            "completed": g.completed if g else None,
+            "last_op": (g.last_op or None) if g else None,
+        }
+
+    def to_json(self) -> dict:
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "node": self.node,
+            "pid": self.pid,
+            "restart": self.restart,
+            "step": self.step,
+            "step_source": self.step_source,
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "phase": self.phase,
+            "last_progress_s": self.last_progress_s,
+            "last_step_s": self.last_step_s,
+            "phase_s": self.phase_s,
+            "heartbeat_age_s": self.heartbeat_age_s,
+            "cpu_s": self.cpu_s,
+            "py_collectives": self.py_collectives,
+            "batches": self.batches,
+            "collectives": self.collectives,
+            "groups": [{"pg": g.pg, "enqueued": g.enqueued, "completed": g.completed, "last_op": g.last_op}
+                       for g in self.groups],
+        }
+
+
+def _finite(x: Any, digits: int | None = None) -> float | None:
+    x = float(x)
+    if not math.isfinite(x):
+        return None
+    return round(x, digits) if digits is not None else x
+
+
+def progress_mono(table):
+    """Per row, when the rank last made progress of any kind (step or forward-only)."""
+    import numpy as np
+
+    return np.fmax(table["progress_mono"], table["active_mono"])
+
+
+def decode(table, now: float, nodes: Sequence[str] | str = "") -> list[RankRow]:
+    """Live rows (pid > 0) of a slot table as RankRows, sorted by rank."""
+    labels = [nodes] * len(table) if isinstance(nodes, str) else list(nodes)
+    rows = []
+    progress = progress_mono(table) if len(table) else ()
+    for i, (row, node) in enumerate(zip(table, labels)):
+        if row["pid"] <= 0:
+            continue
+        hb = float(row["heartbeat_mono"])
+        ngroups = max(0, min(int(row["ngroups"]), slots.MAX_GROUPS))
+        rows.append(
+            RankRow(
+                rank=int(row["rank"]),
+                local_rank=int(row["local_rank"]),
+                node=node,
+                pid=int(row["pid"]),
+                restart=int(row["restart"]),
+                step=int(row["step"]),
+                step_source="reported" if int(row["step_source"]) == slots.STEP_REPORTED else "counted",
+                loss=_finite(row["loss"]),
+                grad_norm=_finite(row["grad_norm"]),
+                step_s=_finite(row["step_s"], 6),
+                compute_s=_finite(row["compute_s"], 6),
+                phase=slots.phase_name(row["phase"]),
+                last_progress_s=round(max(0.0, now - float(progress[i])), 3),
+                last_step_s=round(max(0.0, now - float(row["progress_mono"])), 3),
+                phase_s=round(max(0.0, now - float(row["phase_mono"])), 3) if row["phase_mono"] > 0 else 0.0,
+                heartbeat_age_s=round(max(0.0, now - hb), 3) if hb > 0 else None,
+                cpu_s=_finite(row["cpu_s"], 3),
+                py_collectives=int(row["py_collectives"]),
+                batches=int(row["batches"]),
+                groups=tuple(
+                    slots.CollectiveGroup(int(g["pg"]), int(g["enqueued"]), int(g["completed"]),
+                                          bytes(g["last_op"]).rstrip(b"\0").decode("ascii", "replace"))
+                    for g in row["groups"][:ngroups]
+                ),
+            )
+        )
+    rows.sort(key=lambda r: r.rank)
+    return rows
+
+
+def rows_json(rows: Iterable[RankRow]) -> list[dict]:
+    return [r.to_json() for r in rows]
