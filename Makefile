@@ -37,7 +37,7 @@ run: setup
 	$(BIN)/trainwatch launch --nproc-per-node 2
 
 test: setup system-deps
-	$(BIN)/pytest -q -ra; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/pytest -q -ra
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py

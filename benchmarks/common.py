@@ -53,7 +53,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def events(home: Path, job: str) -> list[dict]:
-    return read_jsonl(home / "jobs" / job / "events.jsonl")
+    """Incidents with their actions' results merged in."""
+    from trainwatch import state
+
+    return state.JobDir(job, root=home).incidents()
 
 
 def faults_fired(home: Path, job: str) -> list[dict]:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainwatch import slots
-from trainwatch.trainer import api
+from trainwatch.rank import telemetry as api
 
 
 def measure_record_ns(calls: int = 20000, batches: int = 15) -> float:

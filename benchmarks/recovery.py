@@ -29,7 +29,7 @@ TORCHRUN_ALONE = (
 
 
 def final_weights(home, job):
-    from trainwatch.trainer.checkpoint import find_latest, load_checkpoint
+    from trainwatch.checkpoint import find_latest, load_checkpoint
 
     info = find_latest(home / "jobs" / job / "checkpoints")
     return (info.step if info else None), (load_checkpoint(info)["model"] if info else None)

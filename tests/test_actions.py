@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-
 from slot_tables import make_table, set_rows
-from trainwatch.watchdog.actions import ActionPolicy, IncidentActions, request_emergency_checkpoint
+
+from trainwatch.rank.slotwriter import SlotWriter
+from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 from trainwatch.watchdog.exporter import StepHistogram
+from trainwatch.watchdog.responder import ActionPolicy, RestartGate
 
 
 class Clock:
@@ -22,43 +24,41 @@ def hang(culprits=(2,), step=40):
 
 
 def test_first_incident_restarts():
-    actions = IncidentActions(ActionPolicy(), clock=Clock())
-    assert actions.restart_decision(hang(), 40, 0) == (True, None)
+    actions = RestartGate(ActionPolicy(), clock=Clock())
+    assert actions.decide(hang(), 40, 0) == (True, None)
 
 
 def test_an_incident_during_a_restart_is_said_not_silently_dropped():
     clock = Clock(100.0)
-    actions = IncidentActions(ActionPolicy(), clock=clock)
-    assert actions.restart_decision(hang(), 40, 0)[0]
-    actions.restart_requested_at = clock.t
+    actions = RestartGate(ActionPolicy(), clock=clock)
+    assert actions.decide(hang(), 40, 0)[0]
     clock.t += 12.5
-    restart, why = actions.restart_decision(hang(culprits=(1,)), 40, 0)
+    restart, why = actions.decide(hang(culprits=(1,)), 40, 0)
     assert not restart and "requested 12.5 s ago is under way" in why
     clock.t += 30
-    assert actions.restart_decision(hang(culprits=(1,)), 40, 0)[0]
+    assert actions.decide(hang(culprits=(1,)), 40, 0)[0]
 
 
 def test_the_same_incident_at_the_same_step_after_a_restart_only_alerts():
-    actions = IncidentActions(ActionPolicy(), clock=Clock())
-    assert actions.restart_decision(hang(), 40, 0)[0]
-    actions.restart_requested_at = 0.0  # the request went out; the new generation came up within seconds
-    restart, why = actions.restart_decision(hang(), 40, 1)
+    actions = RestartGate(ActionPolicy(), clock=Clock())
+    assert actions.decide(hang(), 40, 0)[0]  # the request went out; the new generation came up within seconds
+    restart, why = actions.decide(hang(), 40, 1)
     assert not restart
     assert "came back after restart 1" in why and "only alerts" in why
     # a different step, or a different culprit, is a new fault and restarts
-    assert actions.restart_decision(hang(step=55), 55, 1)[0]
-    assert actions.restart_decision(hang(culprits=(3,), step=55), 55, 2)[0]
+    assert actions.decide(hang(step=55), 55, 1)[0]
+    assert actions.decide(hang(culprits=(3,), step=55), 55, 2)[0]
 
 
 def test_alert_only_mode_never_restarts():
-    actions = IncidentActions(ActionPolicy(restart=False), clock=Clock())
-    assert actions.restart_decision(hang(), 40, 0) == (False, None)
+    actions = RestartGate(ActionPolicy(restart=False), clock=Clock())
+    assert actions.decide(hang(), 40, 0) == (False, None)
 
 
 def test_low_severity_hardware_incident_only_alerts():
-    actions = IncidentActions(ActionPolicy(), clock=Clock())
-    assert actions.restart_decision({"kind": "xid", "severity": "medium"}, None, 0) == (False, None)
-    assert actions.restart_decision({"kind": "xid", "severity": "critical"}, None, 0) == (True, None)
+    actions = RestartGate(ActionPolicy(), clock=Clock())
+    assert actions.decide({"kind": "xid", "severity": "medium"}, None, 0) == (False, None)
+    assert actions.decide({"kind": "xid", "severity": "critical"}, None, 0) == (True, None)
 
 
 def test_emergency_checkpoint_asks_only_ranks_with_state(tmp_path):
@@ -68,7 +68,7 @@ def test_emergency_checkpoint_asks_only_ranks_with_state(tmp_path):
     slots.create_segment(path, 2)
     seg = slots.Segment(path)
     for i in range(2):
-        slots.SlotWriter(seg, i, pid=1000 + i, rank=i, world_size=2, restart=0).write_step(
+        SlotWriter(seg, i, pid=1000 + i, rank=i, world_size=2, restart=0).write_step(
             3, 1.0, 1.0, 0.1, 0.1, 1.0, 0.5, 0, 1.0, 0)
     clock = Clock()
     result = request_emergency_checkpoint(seg, 10.0, clock=clock)

@@ -11,12 +11,12 @@ from trainwatch.diagnostics.catalog import (
     CATEGORIES,
     PATTERNS,
     classify,
-    collective_op,
     interesting_thread,
     match_stack,
     match_thread,
     pattern_by_id,
 )
+from trainwatch.diagnostics.collective_ops import collective_op
 from trainwatch.diagnostics.runbooks import runbook_path
 from trainwatch.diagnostics.stacks import Frame, ProcessStack, ThreadStack
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainwatch.trainer.checkpoint import (
+from trainwatch.checkpoint import (
     MANIFEST,
     CheckpointError,
     apply_retention,
@@ -177,7 +177,7 @@ _KILLED_WRITER = textwrap.dedent(
     import sys, threading
     from pathlib import Path
     import torch
-    from trainwatch.trainer.checkpoint import save_checkpoint
+    from trainwatch.checkpoint import save_checkpoint
 
     ckpt_dir, marker = Path(sys.argv[1]), Path(sys.argv[2])
     save_checkpoint(ckpt_dir, 1, {"step": 1, "w": torch.ones(8)})

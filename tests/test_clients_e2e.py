@@ -11,7 +11,6 @@ and finish."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid

@@ -8,7 +8,7 @@ import pytest
 
 from trainwatch import state
 from trainwatch.cli import main
-from trainwatch.diagnostics.stacks import StackGroup
+from trainwatch.diagnostics.stack_groups import StackGroup
 from trainwatch.diagnostics.verdict import decide
 
 
@@ -81,17 +81,17 @@ def home(tmp_path, monkeypatch):
 
 
 def test_unknown_job_lists_known_jobs(home, capsys):
-    state.make_job_dir("alpha")
-    state.update_job("alpha", status="succeeded", start_time=1.0)
+    state.JobDir("alpha").create()
+    state.JobDir("alpha").update_job(status="succeeded", start_time=1.0)
     assert main(["diagnose", "nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: unknown job 'nope'") and "alpha" in err and "\n" not in err
 
 
 def test_finished_job_shows_its_last_incident(home, capsys):
-    state.make_job_dir("done")
-    state.update_job("done", status="failed", start_time=1.0, launcher_pid=999999999)
-    state.append_event("done", {"kind": "hang", "culprit_ranks": [1], "summary": "rank 1 stuck",
+    state.JobDir("done").create()
+    state.JobDir("done").update_job(status="failed", start_time=1.0, launcher_pid=999999999)
+    state.JobDir("done").append_event({"kind": "hang", "culprit_ranks": [1], "summary": "rank 1 stuck",
                                 "verdict": {"category": "checkpoint_io", "culprit_ranks": [1], "summary": "rank 1 in torch.save",
                                             "runbook": "torch-save", "confidence": 0.8}})
     assert main(["diagnose", "done", "--json"]) == 0
@@ -119,7 +119,7 @@ def test_runbook_command(home, capsys):
 def test_job_phase_at_the_edges():
     import time as _time
 
-    from trainwatch.diagnostics.diagnose import phase_of_job
+    from trainwatch.views.diagnose import phase_of_job
 
     now = _time.time()
     job = {"status": "running", "start_time": now - 3, "workers_started_time": now - 2, "nproc_per_node": 2,
@@ -137,7 +137,7 @@ def test_job_phase_at_the_edges():
 
 
 def test_prescan_reads_the_job_name_without_torch():
-    from trainwatch.watchdog.launcher import prescan_job
+    from trainwatch.watchdog.options import prescan_job
 
     assert prescan_job(["--nproc-per-node", "2", "--job", "a1", "train.py", "--job", "x"]) == "a1"
     assert prescan_job(["--standalone", "--job=b2", "-m", "pkg"]) == "b2"
@@ -148,13 +148,50 @@ def test_prescan_reads_the_job_name_without_torch():
 
 def test_diagnose_knows_a_job_the_moment_launch_starts(home, capsys):
     from trainwatch import state
-    from trainwatch.diagnostics import diagnose
+    from trainwatch.views import diagnose
 
-    marker = state.announce_launch("early-job")
+    job_dir = state.JobDir("early-job")
+    job_dir.announce_launch()
     try:
-        assert diagnose.main("early-job", as_json=True) == 0
+        assert diagnose.main(["early-job", "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["status"] == "starting" and report["verdict"]["category"] == "starting"
     finally:
-        state.withdraw_launch(marker, failed=True)
+        job_dir.withdraw_launch(failed=True)
     assert not (home / "jobs" / "early-job").exists()  # a failed launch leaves nothing behind
+
+
+def test_verdict_and_hang_detector_name_the_same_culprit():
+    """One culprit rule: the sidecar's incident and diagnose's verdict agree."""
+    from slot_tables import SyncJob, set_rows
+
+    from trainwatch import rankrow
+    from trainwatch.watchdog.detectors import HangDetector
+
+    for stuck_phase, hb_age in (("data", 0.1), ("compute", 6.0), ("backward", 0.1)):
+        det = HangDetector()
+        job = SyncJob(4)
+        for _ in range(20):
+            det.check(job.step())
+        t0 = job.now
+        set_rows(job.table, [0, 1, 3], phase="backward", phase_mono=t0 + 0.3)
+        set_rows(job.table, 2, phase=stuck_phase, phase_mono=t0 + 0.1)
+        if stuck_phase == "backward":
+            set_rows(job.table, 2, step=19)  # everyone waits; rank 2 is a step behind
+        view = job.at(t0 + 7.0)
+        set_rows(view.table, 2, heartbeat_mono=t0 + 7.0 - hb_age)
+        [incident] = det.check(view)
+        rows = rankrow.rows_json(rankrow.decode(view.table, view.now))
+        for r in rows:
+            r["state"] = "sleeping"
+        assert decide(rows).culprit_ranks == incident.culprit_ranks == [2], stuck_phase
+
+
+def test_every_command_answers_bad_input_with_one_line(home, capsys):
+    for argv in (["diagnose"], ["diagnose", "x", "--bogus"], ["jobs", "--bogus"], ["runbook", "a", "b"],
+                 ["explain"], ["report"], ["diagnose", "bad name!"], ["diagnose", "x", "--timeout", "0"]):
+        with pytest.raises(SystemExit) as e:
+            raise SystemExit(main(argv))
+        err = capsys.readouterr().err
+        assert e.value.code == 2, argv
+        assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)

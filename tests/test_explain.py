@@ -9,47 +9,24 @@ guessed"); every entry of an optional "absent" list must match none.
 from __future__ import annotations
 
 import gzip
-import importlib
 import io
 import json
 from pathlib import Path
 
 import pytest
 
-from trainwatch.diagnostics import explain, logparse
-from trainwatch.diagnostics.explain import explain_inputs, main, render_report
+from trainwatch.diagnostics import explain
+from trainwatch.diagnostics.explain import explain_inputs, render_report
+from trainwatch.diagnostics.findings import ERROR_CATEGORIES, FINDING_KEYS
+from trainwatch.views.explain import main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "explain"
 CORPUS = sorted(FIXTURES.glob("*.txt"))
-STACK_CATEGORIES = {"collective_wait", "moe_all_to_all", "barrier", "gc_collect", "dataloader",
-                    "checkpoint_io", "compile_lock", "cuda_sync", "other"}
 
 
-def _expected(path: Path) -> dict | None:
-    expected = path.with_name(path.stem + ".expected.json")
-    return json.loads(expected.read_text()) if expected.exists() else None
-
-
-def _needed_modules(path: Path, expected: dict) -> set[str]:
-    """Sibling parsers a fixture depends on (skipped, not failed, while they are missing)."""
-    needed = set()
-    if path.name.startswith("stack-"):
-        needed.add("trainwatch.diagnostics.stacks")
-    for finding in expected.get("findings", []):
-        if finding.get("kind") == "stack" or finding.get("category") in STACK_CATEGORIES:
-            needed.add("trainwatch.diagnostics.stacks")
-        if finding.get("kind") == "xid" or finding.get("category") == "xid":
-            needed.add("trainwatch.diagnostics.kernel_log")
-    return needed
-
-
-def _missing_module(names: set[str]) -> str | None:
-    for name in sorted(names):
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # a sibling still being written may not import yet
-            return f"{name} not importable ({type(e).__name__})"
-    return None
+def _expected(path: Path) -> dict:
+    """The fixture's expectations; every fixture has them (a missing file fails the test)."""
+    return json.loads(path.with_name(path.stem + ".expected.json").read_text())
 
 
 def _matches(expected: dict, produced: dict) -> bool:
@@ -77,28 +54,16 @@ def _score(path: Path) -> tuple[int, list[str]]:
     return matched, problems
 
 
-def _skip_reason(path: Path) -> str | None:
-    expected = _expected(path)
-    if expected is None:
-        return f"{path.name} has no .expected.json yet"
-    return _missing_module(_needed_modules(path, expected))
-
-
 @pytest.mark.parametrize("path", CORPUS, ids=[p.stem for p in CORPUS])
 def test_golden_fixture(path: Path) -> None:
-    reason = _skip_reason(path)
-    if reason:
-        pytest.skip(reason)
     _, problems = _score(path)
     assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("path", CORPUS, ids=[p.stem for p in CORPUS])
 def test_every_finding_has_the_contract_keys(path: Path) -> None:
-    if _skip_reason(path):
-        pytest.skip("sibling parser or expectations missing")
     for finding in explain_inputs([(path.name, path.read_bytes())])["findings"]:
-        assert set(logparse.FINDING_KEYS) <= finding.keys(), finding
+        assert set(FINDING_KEYS) <= finding.keys(), finding
         assert finding["kind"] in ("stack", "xid", "error")
         assert json.dumps(finding)  # plain JSON types only
 
@@ -108,15 +73,12 @@ def test_corpus_size_and_accuracy(record_property) -> None:
     assert len(logs) >= 28
     for path in logs:
         assert path.read_text().startswith("# source: https://"), path.name
-        assert _expected(path) is not None, f"{path.name} has no .expected.json"
     covered = {f["category"] for p in logs for f in _expected(p)["findings"]}
-    assert covered >= set(logparse.CATEGORIES), set(logparse.CATEGORIES) - covered
+    assert covered >= set(ERROR_CATEGORIES), set(ERROR_CATEGORIES) - covered
 
     total = matched = files = 0
     failures = []
     for path in CORPUS:
-        if _skip_reason(path):
-            continue
         files += 1
         want = len(_expected(path).get("findings", []))
         got, problems = _score(path)
@@ -207,23 +169,28 @@ def test_no_rank_in_name_or_text_stays_null() -> None:
     assert findings[0]["rank"] is None and findings[0]["ranks"] is None
 
 
-def test_a_failing_sibling_parser_costs_only_its_own_findings(monkeypatch) -> None:
-    monkeypatch.setattr(explain, "SIBLING_PARSERS", (
-        ("json", "loads", "before"),  # raises on log text: stands in for a parser bug
-        ("trainwatch.diagnostics.no_such_module", "findings", "after"),
-    ))
+def test_a_failing_parser_costs_only_its_own_findings(monkeypatch) -> None:
+    monkeypatch.setattr(explain, "xid_findings", json.loads)  # raises on log text: stands in for a parser bug
     report = explain_inputs([("x.log", b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n")])
     assert [f["category"] for f in report["findings"]] == ["oom"]
-    assert len(report["errors"]) == 1 and report["errors"][0].startswith("x.log: json parser failed (JSONDecodeError")
+    assert len(report["errors"]) == 1
+    assert report["errors"][0].startswith("x.log: kernel_log parser failed (JSONDecodeError")
 
 
-def test_a_parser_that_fails_to_import_is_reported_not_raised(monkeypatch, tmp_path) -> None:
-    (tmp_path / "broken_parser_mod.py").write_text("raise RuntimeError('half written')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(explain, "SIBLING_PARSERS", (("broken_parser_mod", "findings", "after"),))
-    report = explain_inputs([("x.log", b"RuntimeError: CUDA error: unknown error\n")])
+def test_a_parser_that_raises_while_parsing_is_reported_per_input(monkeypatch) -> None:
+    def broken_stack_parser(text: str) -> list[dict]:
+        if "Traceback" in text:
+            raise RuntimeError("half written")
+        return []
+
+    monkeypatch.setattr(explain, "stack_findings", broken_stack_parser)
+    report = explain_inputs([
+        ("a.log", b"RuntimeError: CUDA error: unknown error\n"),
+        ("b.log", b"Traceback (most recent call last):\nRuntimeError: CUDA error: unknown error\n"),
+    ])
     assert [f["category"] for f in report["findings"]] == ["cuda_error"]
-    assert report["errors"] == ["x.log: broken_parser_mod parser unavailable (RuntimeError: half written)"]
+    assert report["findings"][0]["evidence"] == "RuntimeError: CUDA error: unknown error"
+    assert report["errors"] == ["b.log: stacks parser failed (RuntimeError: half written)"]
 
 
 def test_source_lines_are_not_evidence() -> None:
@@ -234,32 +201,61 @@ def test_source_lines_are_not_evidence() -> None:
 # -- main -----------------------------------------------------------------------
 
 
-def _run(paths: list[str], as_json: bool = False, stdin: bytes = b"") -> tuple[int, str, str]:
+def _run(paths: list[str], as_json: bool = False, stdin: bytes = b"", limit: int | None = None,
+         capsys=None) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = main(paths, as_json, stdin=io.BytesIO(stdin), out=out, err=err)
+    argv = [*paths, *(["--json"] if as_json else [])]
+    try:
+        kw = {} if limit is None else {"limit": limit}
+        code = main(argv, stdin=io.BytesIO(stdin), out=out, err=err, **kw)
+    except SystemExit as e:  # argparse's one-line usage error
+        code = e.code
     return code, out.getvalue(), err.getvalue()
 
 
-def test_main_missing_file_exits_2_with_one_line(tmp_path: Path) -> None:
+def test_main_missing_file_exits_2_with_one_line(tmp_path: Path, capsys) -> None:
     good = tmp_path / "ok.log"
     good.write_text("RuntimeError: CUDA error: unknown error\n")
-    code, out, err = _run([str(good), str(tmp_path / "nope.log")])
+    code, out, _ = _run([str(good), str(tmp_path / "nope.log")])
+    err = capsys.readouterr().err
     assert code == 2
     assert out == ""
     assert err == f"error: cannot read {tmp_path / 'nope.log'} (No such file or directory); " \
                   "pass a readable log, py-spy dump or kernel log\n"
 
 
-def test_main_directory_exits_2(tmp_path: Path) -> None:
-    code, _, err = _run([str(tmp_path)])
+def test_main_directory_exits_2(tmp_path: Path, capsys) -> None:
+    code, _, _ = _run([str(tmp_path)])
+    err = capsys.readouterr().err
     assert code == 2
     assert err.startswith(f"error: cannot read {tmp_path} (Is a directory)")
     assert err.count("\n") == 1
 
 
-def test_main_no_paths_exits_2() -> None:
-    code, _, err = _run([])
-    assert code == 2 and err.startswith("error: no input given")
+def test_main_no_paths_exits_2(capsys) -> None:
+    code, _, _ = _run([])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: the following arguments are required: FILE")
+    assert err.count("\n") == 1
+
+
+def test_main_reads_endless_input_in_bounded_memory() -> None:
+    """/dev/zero-like input: only the last `limit` bytes are kept, the rest is said."""
+    class Endless:
+        def __init__(self, total):
+            self.left = total
+
+        def read(self, n):
+            n = min(n, self.left)
+            self.left -= n
+            return b"\0" * n
+
+    code, out, _ = _run(["-"], as_json=True, limit=1 << 20)
+    assert code == 0
+    from trainwatch.views.explain import read_bounded
+
+    data, skipped = read_bounded(Endless(50 << 20), limit=1 << 20)
+    assert len(data) == 1 << 20 and skipped == 49 << 20
 
 
 def test_main_reads_stdin_and_prints_json() -> None:
@@ -302,7 +298,7 @@ def test_main_zero_findings_still_exits_0(tmp_path: Path) -> None:
 
 
 def test_render_report_cuts_long_evidence() -> None:
-    finding = dict.fromkeys(logparse.FINDING_KEYS)
+    finding = dict.fromkeys(FINDING_KEYS)
     finding.update(kind="error", category="oom", severity="medium", runbook="oom", evidence="x" * 1000 + "\nmore")
     text = render_report({"findings": [finding], "errors": []})
     evidence = next(line for line in text.splitlines() if "evidence:" in line)

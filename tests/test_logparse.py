@@ -8,18 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from trainwatch.diagnostics.logparse import (
-    CATEGORIES,
-    FINDING_KEYS,
-    collapse_ranks,
-    error_findings,
-    line_rank,
-    mismatch_findings,
-    parse_log,
-    rank_from_name,
-    signal_name,
-    to_bytes,
-)
+from trainwatch.diagnostics.findings import ERROR_CATEGORIES, FINDING_KEYS
+from trainwatch.diagnostics.log_rules import signal_name, to_bytes
+from trainwatch.diagnostics.logparse import error_findings, line_rank, parse_log, rank_from_name
+from trainwatch.diagnostics.rank_comparison import collapse_ranks, mismatch_findings
 
 TIMEOUT = ("[rank{r}]:[E1206 18:44:12.715298746 ProcessGroupNCCL.cpp:607] [Rank {r}] Watchdog caught collective "
            "operation timeout: WorkNCCL(SeqNum={seq}, OpType={op}, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
@@ -437,7 +429,7 @@ def test_collapse_keeps_a_per_rank_detail_only_when_all_agree() -> None:
 
 def test_every_category_has_a_runbook_and_severity() -> None:
     severities = {"info", "low", "medium", "high", "critical"}
-    for category, (severity, runbook) in CATEGORIES.items():
+    for category, (severity, runbook) in ERROR_CATEGORIES.items():
         assert severity in severities
         assert runbook.replace("-", "_") == category or runbook in ("gpu-ecc",)
 

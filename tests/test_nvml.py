@@ -10,7 +10,7 @@ import queue
 
 import pytest
 
-from trainwatch.watchdog.fake_nvml import FakeNvml
+from trainwatch.inject.fake_nvml import FakeNvml
 from trainwatch.watchdog.nvml import (
     NO_GPU_MESSAGE,
     GpuSample,

@@ -21,7 +21,7 @@ TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", st
 
 
 def final_weights(ckpt_dir):
-    from trainwatch.trainer.checkpoint import find_latest, load_checkpoint
+    from trainwatch.checkpoint import find_latest, load_checkpoint
 
     info = find_latest(ckpt_dir)
     assert info is not None and info.step == STEPS, info

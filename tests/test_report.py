@@ -13,11 +13,13 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from slot_tables import make_table
-from trainwatch import report, state
-from trainwatch.watchdog import history
 from util import BIN, ROOT, env_for, events, job_json, stop_group, trainwatch, wait_for
+
+from trainwatch import historyfile, rankrow, state
+from trainwatch.rank.slotwriter import SlotWriter
+from trainwatch.views import report
+from trainwatch.watchdog import history
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (Debian package `chromium`)")
@@ -29,6 +31,11 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def rows(table, clock):
+    """What the sidecar hands the writer: the table decoded at the clock's time."""
+    return lambda: rankrow.decode(table, clock())
 
 
 # ---- history writer ---------------------------------------------------------------
@@ -44,16 +51,15 @@ def test_writer_samples_once_per_interval_with_mean_step_time(tmp_path):
         calls.append(1)
         return {1: 1.8}
 
-    assert w.maybe_sample(table, ratios)
+    assert w.maybe_sample(rows(table, clock), ratios)
     clock.t = 100.5
-    assert not w.maybe_sample(table, ratios)  # not due: ratios not even computed
+    assert not w.maybe_sample(rows(table, clock), ratios)  # not due: ratios not even computed
     assert len(calls) == 1
-    # 1 s later both ranks advanced 4 steps in 1.2 s of progress -> 0.3 s per step
-    clock.t, wall.t = 101.0, wall.t + 1
+    # 1.3 s later both ranks advanced 4 steps in 1.2 s of progress -> 0.3 s per step
+    clock.t, wall.t = 101.3, wall.t + 1
     table = make_table(2, now=101.2, step=14, step_s=0.9)
-    table["progress_mono"][0] = 100.0 + 1.2
-    assert w.maybe_sample(table, ratios)
-    samples = history.read_samples([w.path])
+    assert w.maybe_sample(rows(table, clock), ratios)
+    samples = historyfile.read_samples([w.path])
     assert [s["t"] for s in samples] == [1_700_000_000.0, 1_700_000_001.0]
     first, second = samples[0]["r"], samples[1]["r"]
     assert first[0] == [0, 10, 2.0, 0.5, "data", 0.0, None] and first[1][6] == 1.8
@@ -65,46 +71,48 @@ def test_writer_samples_once_per_interval_with_mean_step_time(tmp_path):
 def test_restart_falls_back_to_the_slot_step_time_and_nan_is_null(tmp_path):
     clock = Clock()
     w = history.HistoryWriter(tmp_path / "n.jsonl", clock=clock, interval_s=1.0)
-    w.maybe_sample(make_table(1, now=100.0, step=50))
+    w.maybe_sample(rows(make_table(1, now=100.0, step=50), clock))
     clock.t = 101.0
-    w.maybe_sample(make_table(1, now=101.0, step=3, step_s=0.7, loss=float("nan")))  # resumed lower
-    [_, after] = history.read_samples([w.path])
+    w.maybe_sample(rows(make_table(1, now=101.0, step=3, step_s=0.7, loss=float("nan")), clock))  # resumed lower
+    [_, after] = historyfile.read_samples([w.path])
     assert after["r"][0][1:4] == [3, None, 0.7]
 
 
 def test_a_new_worker_generation_is_not_averaged_across_the_restart(tmp_path):
     clock = Clock()
     w = history.HistoryWriter(tmp_path / "n.jsonl", clock=clock)
-    w.maybe_sample(make_table(1, now=100.0, step=29, step_s=0.25))
+    w.maybe_sample(rows(make_table(1, now=100.0, step=29, step_s=0.25), clock))
     # The restarted rank's fresh slot: step 0, no step done yet (progress == start).
     clock.t = 105.0
     fresh = make_table(1, now=104.0, step=0, phase="init", start_mono=104.0)
     fresh["restart"] = 1
-    w.maybe_sample(fresh)
+    w.maybe_sample(rows(fresh, clock))
     # Resumed at step 30 and did 6 steps since; the downtime is not in its step time.
     clock.t = 110.0
     resumed = make_table(1, now=109.5, step=35, step_s=0.2, start_mono=104.0)
     resumed["restart"] = 1
-    w.maybe_sample(resumed)
-    rows = [s["r"][0] for s in history.read_samples([w.path])]
-    assert rows[1] == [0, None, None, None, "init", 1.0, None]  # not "step 0, loss 0"
-    assert rows[2][1:4] == [35, 2.0, 0.2]
+    w.maybe_sample(rows(resumed, clock))
+    got = [s["r"][0] for s in historyfile.read_samples([w.path])]
+    assert got[1] == [0, None, None, None, "init", 1.0, None]  # not "step 0, loss 0"
+    assert got[2][1:4] == [35, 2.0, 0.2]
 
 
 def test_a_failing_write_never_raises(tmp_path, caplog):
-    (tmp_path / "job").write_text("a file where the job directory should be")
-    w = history.HistoryWriter(history.history_path(tmp_path / "job", "n0"), clock=Clock())
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "job").write_text("a file where the job directory should be")
+    w = history.HistoryWriter(state.JobDir("job", root=tmp_path).history_file("n0"), clock=Clock())
     for _ in range(3):
         w.clock.t += 1
-        assert not w.maybe_sample(make_table(2))
+        assert not w.maybe_sample(rows(make_table(2), w.clock))
     assert caplog.text.count("history sample") == 1  # warned once, not every second
 
 
 def test_node_names_make_safe_file_names(tmp_path):
-    assert history.history_path(tmp_path, "gpu-node-7.cluster").name == "gpu-node-7.cluster.jsonl"
+    job = state.JobDir("j", root=tmp_path)
+    assert job.history_file("gpu-node-7.cluster").name == "gpu-node-7.cluster.jsonl"
     for hostile in ("../../etc/passwd", "..", "", "a/b\\c d"):
-        path = history.history_path(tmp_path, hostile)
-        assert path.parent == tmp_path / "history" and not path.name.startswith("."), path
+        path = job.history_file(hostile)
+        assert path.parent == job.history_dir and not path.name.startswith("."), path
 
 
 def test_the_sidecar_loop_samples_about_once_a_second(tmp_path, monkeypatch):
@@ -115,13 +123,16 @@ def test_the_sidecar_loop_samples_about_once_a_second(tmp_path, monkeypatch):
     from trainwatch.watchdog.sidecar import Sidecar
 
     monkeypatch.setenv("TRAINWATCH_HOME", str(tmp_path / "home"))
-    state.make_job_dir("sc")
+    state.JobDir("sc").create()
     seg = str(tmp_path / "seg")
     slots.create_segment(seg, 2)
-    writers = [slots.SlotWriter(slots.Segment(seg), i, pid=os.getpid(), rank=i, world_size=2, restart=0)
+    writers = [SlotWriter(slots.Segment(seg), i, pid=os.getpid(), rank=i, world_size=2, restart=0)
                for i in range(2)]
     clock = Clock(100.0)
-    sc = Sidecar("sc", seg, node="node/0", clock=clock, detectors=[], out=__import__("io").StringIO())
+    from trainwatch.watchdog.config import SidecarConfig
+
+    sc = Sidecar("sc", seg, node="node/0", clock=clock, detectors=[], out=__import__("io").StringIO(),
+                 config=SidecarConfig(tick_s=0.001))
     stop = threading.Event()
     rounds = []
     real_tick = sc.tick
@@ -137,14 +148,14 @@ def test_the_sidecar_loop_samples_about_once_a_second(tmp_path, monkeypatch):
         return real_tick()
 
     sc.tick = tick
-    sc.run(stop, interval_s=0.001)
-    path = state.job_dir("sc") / "history" / "node_0.jsonl"
-    samples = history.read_samples([path])
+    sc.run(stop)
+    path = state.JobDir("sc").history_file("node/0")
+    samples = historyfile.read_samples([path])
     assert len(samples) == 6  # rounds 1, 3, 5, 7, 9, then the final one (round 11)
-    series = history.per_rank(samples)
+    series = historyfile.per_rank(samples)
     assert sorted(series) == [0, 1] and series[0]["step"] == [1, 3, 5, 7, 9, 11]
     assert series[1]["step_s"][1:] == [0.5] * 5  # 2 steps per 1.0 s of progress
-    assert (state.job_dir("sc") / "telemetry.json").is_file()
+    assert state.JobDir("sc").telemetry_file.is_file()
 
 
 def test_compaction_bounds_the_file_and_keeps_first_and_last(tmp_path):
@@ -157,9 +168,9 @@ def test_compaction_bounds_the_file_and_keeps_first_and_last(tmp_path):
         wall.t += 1
         table["step"] += 1
         table["progress_mono"] = clock.t
-        assert w.maybe_sample(table)
+        assert w.maybe_sample(rows(table, clock))
         assert w.path.stat().st_size <= 20_000
-    samples = history.read_samples([w.path])
+    samples = historyfile.read_samples([w.path])
     times = [s["t"] for s in samples]
     assert times[0] == 1e9 + 1 and times[-1] == 1e9 + n  # the whole span is still covered
     assert times == sorted(times) and len(times) < n
@@ -180,9 +191,9 @@ def test_repeated_compactions_keep_the_whole_span_evenly(tmp_path):
         wall.t += 1
         table["step"] += 1
         table["progress_mono"] = clock.t
-        w.maybe_sample(table)
+        w.maybe_sample(rows(table, clock))
     assert w.compactions > 100 and w.path.stat().st_size <= 30_000
-    times = [s["t"] for s in history.read_samples([w.path])]
+    times = [s["t"] for s in historyfile.read_samples([w.path])]
     assert times[0] == 1 and times[-1] == n
     old = [t for t in times if t < 0.9 * n]  # outside the full-resolution tail
     bins = [sum(1 for t in old if k * n / 10 <= t < (k + 1) * n / 10) for k in range(9)]
@@ -190,18 +201,18 @@ def test_repeated_compactions_keep_the_whole_span_evenly(tmp_path):
 
 
 def test_the_cap_comes_from_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv(history.MAX_BYTES_ENV, "65536")
+    monkeypatch.setenv("TRAINWATCH_HISTORY_MAX_BYTES", "65536")
     assert history.HistoryWriter(tmp_path / "n.jsonl").max_bytes == 65536
-    monkeypatch.setenv(history.MAX_BYTES_ENV, "lots")
+    monkeypatch.setenv("TRAINWATCH_HISTORY_MAX_BYTES", "lots")
     assert history.HistoryWriter(tmp_path / "n.jsonl").max_bytes == history.MAX_BYTES
 
 
 def test_reader_skips_a_torn_last_line(tmp_path):
     path = tmp_path / "n.jsonl"
     path.write_text('{"t":1,"r":[[0,1,2.0,0.1,"data",0.0,null]]}\n{"t":2,"r":[[0,2,1.9,0.1,"da')
-    samples = history.read_samples([path, tmp_path / "missing.jsonl"])
+    samples = historyfile.read_samples([path, tmp_path / "missing.jsonl"])
     assert [s["t"] for s in samples] == [1]
-    series = history.per_rank(samples)
+    series = historyfile.per_rank(samples)
     assert series[0]["loss"] == [2.0] and series[0]["t"] == [1]
 
 
@@ -211,23 +222,23 @@ HOSTILE = '</script><img src=x onerror=alert(1)>'
 
 
 def fake_job(home: Path, job: str = "synth", *, status: str = "succeeded", samples: int = 30) -> Path:
-    d = state.make_job_dir(job)
+    d = state.JobDir(job).create()
     start = 1_700_000_000.0
-    state.write_json_atomic(d / "job.json", {"job": job, "status": status, "start_time": start,
-                                             "end_time": start + samples, "restarts": 1, "nproc_per_node": 3,
-                                             "entrypoint": f"train.py --tag {HOSTILE}"})
-    w = history.HistoryWriter(history.history_path(d, "node-a"), clock=Clock(0.0), wall=Clock(start))
+    state.write_json_atomic(d.job_file, {"job": job, "status": status, "start_time": start,
+                                         "end_time": start + samples, "restarts": 1, "nproc_per_node": 3,
+                                         "entrypoint": f"train.py --tag {HOSTILE}"})
+    w = history.HistoryWriter(d.history_file("node-a"), clock=Clock(0.0), wall=Clock(start))
     for i in range(samples):
         w.clock.t, w.wall.t = float(i), start + i
         table = make_table(3, now=float(i), step=10 * i, step_s=0.1, loss=3.0 - i * 0.05)
         table["step_s"][2] = 0.3
-        w.maybe_sample(table, lambda: {0: 1.0, 1: 1.0, 2: 2.9})
+        w.maybe_sample(rows(table, w.clock), lambda: {0: 1.0, 1: 1.0, 2: 2.9})
     for t, kind, culprits, summary in ((10, "straggler", [2], "rank 2 is slow"), (20, "hang", [1], HOSTILE),
                                        (22, "restart", [], "restart 1")):
         stamp = __import__("datetime").datetime.fromtimestamp(start + t).astimezone().isoformat()
-        state.append_event(job, {"kind": kind, "culprit_ranks": culprits, "summary": summary, "runbook": kind,
-                                 "time": stamp})
-    return d
+        d.append_event({"kind": kind, "culprit_ranks": culprits, "summary": summary, "runbook": kind,
+                        "time": stamp})
+    return d.path
 
 
 @pytest.fixture
@@ -325,8 +336,8 @@ def real_job(tmp_path_factory):
 def test_sidecar_keeps_history_of_a_real_job(real_job):
     home = real_job
     [path] = (home / "jobs" / "rep" / "history").glob("*.jsonl")
-    samples = history.read_samples([path])
-    series = history.per_rank(samples)
+    samples = historyfile.read_samples([path])
+    series = historyfile.per_rank(samples)
     assert sorted(series) == [0, 1, 2, 3]
     assert len(samples) >= 10 and path.stat().st_size < history.MAX_BYTES
     gaps = [b["t"] - a["t"] for a, b in zip(samples, samples[1:-1])]  # the last one lands at shutdown
@@ -376,8 +387,8 @@ def test_report_of_a_running_job(tmp_path):
     )
     try:
         path = home / "jobs" / "live" / "history"
-        wait_for(lambda: len(history.read_samples(path.glob("*.jsonl"))) >= 3 and
-                 any(s["r"][0][1] for s in history.read_samples(path.glob("*.jsonl"))),
+        wait_for(lambda: len(historyfile.read_samples(path.glob("*.jsonl"))) >= 3 and
+                 any(s["r"][0][1] for s in historyfile.read_samples(path.glob("*.jsonl"))),
                  120, interval=0.5, what="three samples of a training job")
         r = trainwatch(home, "report", "live", "--out", str(tmp_path / "live.html"))
         assert r.returncode == 0, r.stderr

@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry, generate_latest
 
 from trainwatch import slots, state
+from trainwatch.rank.slotwriter import SlotWriter
 from trainwatch.watchdog import otel
 from trainwatch.watchdog.exporter import TrainwatchCollector
 from trainwatch.watchdog.sidecar import Sidecar
@@ -32,7 +33,7 @@ class Clock:
 @pytest.fixture
 def job(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINWATCH_HOME", str(tmp_path / "home"))
-    state.make_job_dir("sc")
+    state.JobDir("sc").create()
     path = str(tmp_path / "seg")
     slots.create_segment(path, 4)
     return path
@@ -40,7 +41,7 @@ def job(tmp_path, monkeypatch):
 
 def writers(path, n=4):
     seg = slots.Segment(path)
-    return [slots.SlotWriter(seg, i, pid=os.getpid(), rank=i, world_size=n, restart=0) for i in range(n)]
+    return [SlotWriter(seg, i, pid=os.getpid(), rank=i, world_size=n, restart=0) for i in range(n)]
 
 
 def publish(ws, step, now, phases, pycoll=None):
@@ -73,7 +74,7 @@ def test_hang_is_one_incident_with_outputs(job):
         if k == 1:
             ws[2].write_step(29, 2.0, 1.0, 0.5, 0.3, t_stop, 0.0, slots.PHASE_CODES["data"], t_stop, 29)
         sc.tick()
-    found = list(state.read_events("sc"))
+    found = state.JobDir("sc").incidents()
     assert [e["kind"] for e in found] == ["hang"]
     assert found[0]["culprit_ranks"] == [2] and found[0]["victims"] == [0, 1, 3]
     assert out.getvalue().count("INCIDENT hang culprit rank(s) 2") == 1
@@ -99,8 +100,9 @@ def test_a_failing_round_never_ends_the_loop(job):
         raise RuntimeError("odd slot")
 
     sc.tick = bad_tick
+    sc.config.tick_s = 0.001
     stop = threading.Event()
-    sc.run(stop, interval_s=0.001)
+    sc.run(stop)
     assert len(calls) >= 2
 
 
@@ -111,6 +113,53 @@ def test_snapshot_is_written(job):
     publish(ws, 7, 49.5, ["forward"] * 4)
     sc.tick()
     sc.write_snapshot()
-    snap = json.loads((state.job_dir("sc") / "telemetry.json").read_text())
+    snap = json.loads(state.JobDir("sc").telemetry_file.read_text())
     assert [(r["rank"], r["step"], r["phase"]) for r in snap["ranks"]] == [(i, 7, "forward") for i in range(4)]
     assert snap["ranks"][0]["last_progress_s"] == 0.5
+
+
+def test_response_runs_off_the_tick(job, monkeypatch):
+    """A capture that takes long (here: until released) never stops detection:
+    the incident is recorded the moment it is found, the next ticks run, and
+    the response's results are appended when they are done."""
+    from trainwatch.watchdog.responder import Responder
+
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow_capture(self, record):
+        started.set()
+        assert release.wait(30)
+        return {"capture": {"seconds": 9.9, "ranks": 4, "dir": "x", "failed": {}},
+                "verdict": {"category": "dataloader", "culprit_ranks": [2]}}
+
+    monkeypatch.setattr(Responder, "capture", slow_capture)
+    clock = Clock(1000.0)
+    out = io.StringIO()
+    sc = Sidecar("sc", job, node="n0", clock=clock, out=out, respond=True)
+    sc.config.actions.restart = False  # alert only: the response is capture + verdict
+    ws = writers(job)
+    for step in range(1, 30):
+        clock.t = 1000.0 + step * 0.5
+        publish(ws, step, clock.t, ["backward"] * 4)
+        sc.tick()
+    t_stop = clock.t
+    ws[2].write_step(29, 2.0, 1.0, 0.5, 0.3, t_stop, 0.0, slots.PHASE_CODES["data"], t_stop, 29)
+    ticks_after = 0
+    for k in range(1, 120):
+        clock.t = t_stop + k * 0.1
+        for w in ws:
+            w.write_sampler(clock.t, True, 29, [slots.CollectiveGroup(0, 29, 29, "allreduce")])
+        sc.tick()
+        if started.is_set():
+            ticks_after += 1
+    assert started.wait(10)
+    [incident] = state.JobDir("sc").incidents()
+    assert incident["kind"] == "hang" and "verdict" not in incident  # recorded at detection, acted on later
+    assert ticks_after > 10  # the ticks went on while the capture ran
+    release.set()
+    assert sc.responder.drain(10)
+    [incident] = state.JobDir("sc").incidents()
+    assert incident["verdict"]["category"] == "dataloader" and incident["capture"]["seconds"] == 9.9
+    assert f"hang {incident['id']}: stacks of 4 rank(s)" in out.getvalue()
+    sc.responder.close()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from trainwatch import rankrow, slots
+from trainwatch.rank.slotwriter import SlotWriter
 
 
 def read(seg, index, now=0.0):
@@ -25,7 +26,7 @@ def segment(tmp_path):
 
 
 def writer(seg, index, rank=None):
-    return slots.SlotWriter(seg, index, pid=os.getpid(), rank=index if rank is None else rank, world_size=4, restart=0)
+    return SlotWriter(seg, index, pid=os.getpid(), rank=index if rank is None else rank, world_size=4, restart=0)
 
 
 def test_unwritten_slot_reads_none(segment):
@@ -75,7 +76,7 @@ def test_torn_write_is_never_returned(segment):
 
 def _hammer(path, index, seconds):
     seg = slots.Segment(path)
-    w = slots.SlotWriter(seg, index, pid=os.getpid(), rank=index, world_size=2, restart=0)
+    w = SlotWriter(seg, index, pid=os.getpid(), rank=index, world_size=2, restart=0)
     w.write_step(1, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0, 0.0, 1)
     i, deadline = 1, time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -142,7 +143,7 @@ def test_bad_segment_file_is_a_clear_error(tmp_path):
 
 
 def test_api_records_into_slot(tmp_path, monkeypatch):
-    from trainwatch.trainer import api
+    from trainwatch.rank import telemetry as api
 
     path = str(tmp_path / "seg")
     slots.create_segment(path, 2)
@@ -165,7 +166,7 @@ def test_api_records_into_slot(tmp_path, monkeypatch):
 
 
 def test_rank_keeps_its_worst_loss_until_the_sidecar_reads(tmp_path):
-    from trainwatch.trainer import api
+    from trainwatch.rank import telemetry as api
 
     path = str(tmp_path / "seg")
     slots.create_segment(path, 1)
@@ -205,7 +206,7 @@ def test_layout_is_declared_once_and_derived():
 
 
 def test_activity_marks_and_ring_of_step_ends(tmp_path):
-    from trainwatch.trainer import api
+    from trainwatch.rank import telemetry as api
 
     path = str(tmp_path / "seg")
     slots.create_segment(path, 1)
@@ -226,13 +227,14 @@ def test_activity_marks_and_ring_of_step_ends(tmp_path):
 _COUNTING = """
 import sys, torch, torch.distributed as dist
 from trainwatch import slots
-from trainwatch.trainer import api
+from trainwatch.rank import collectives, telemetry as api
+from trainwatch.rank.slotwriter import SlotWriter
 path, store = sys.argv[1], sys.argv[2]
 slots.create_segment(path, 1)
 seg = slots.Segment(path)
 tw = api.Telemetry(seg, 0, rank=0, world_size=1, restart=0, attached=True)
 dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
-api._count_collectives(tw)
+collectives.install(tw)
 tw.sample_now()  # picks up the default group's sequence counter
 with tw.phase("forward"):
     dist.all_reduce(torch.ones(2))
@@ -261,7 +263,7 @@ def test_collectives_are_counted_and_mark_the_rank_waiting(tmp_path):
 
 
 def test_stable_group_ids_mean_the_same_group_on_every_rank():
-    from trainwatch.trainer.api import stable_group_id
+    from trainwatch.rank.flightrec import stable_group_id
 
     assert stable_group_id("0") == 0 and stable_group_id("3") == 3
     hashed = stable_group_id("a3f9c2e1")

@@ -21,19 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from trainwatch.diagnostics.stacks import (
-    Frame,
-    ProcessStack,
+from trainwatch.diagnostics.stack_groups import (
+    STOPPED_ERROR,
     StackGroup,
-    ThreadStack,
     group_stacks,
     odd_one_out,
-    parse_pyspy_json,
-    parse_stack_text,
-    short_path,
     signature,
     stack_findings,
 )
+from trainwatch.diagnostics.stack_parsers import parse_pyspy_json, parse_stack_text
+from trainwatch.diagnostics.stacks import Frame, ProcessStack, ThreadStack, short_path
 
 FIXTURES = Path(__file__).parent / "fixtures" / "explain"
 FINDING_KEYS = {"kind", "category", "op", "xid", "pci", "seq", "timeout_ms", "rank", "ranks",
@@ -521,7 +518,7 @@ def test_golden_stack(path):
 
 
 def test_diagnose_captures_are_pruned(tmp_path):
-    from trainwatch.diagnostics.capture import KEEP_CAPTURES, capture_dir
+    from trainwatch.capture import KEEP_CAPTURES, capture_dir
 
     for _ in range(12):
         capture_dir(tmp_path, "diagnose").mkdir(parents=True)
@@ -533,8 +530,6 @@ def test_diagnose_captures_are_pruned(tmp_path):
 
 
 def test_stopped_process_is_its_own_stack_group():
-    from trainwatch.diagnostics.stacks import STOPPED_ERROR, ProcessStack, group_stacks
-
     groups = group_stacks({1: ProcessStack(11, 1, None, (), error=f"{STOPPED_ERROR} (state T)"),
                            0: ProcessStack(10, 0, None, (), error="py-spy timed out")})
     assert {g.category for g in groups} == {"stopped", "other"}

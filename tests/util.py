@@ -69,11 +69,15 @@ def job_json(home: Path, job: str) -> dict | None:
 
 
 def events(home: Path, job: str) -> list[dict]:
-    try:
-        lines = (home / "jobs" / job / "events.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    return [json.loads(line) for line in lines if line.strip()]
+    """The job's incidents, each with its actions' results merged in (as diagnose reads them)."""
+    from trainwatch import state
+
+    return state.JobDir(job, root=home).incidents()
+
+
+def acted(home: Path, job: str, kind: str, key: str = "verdict") -> list[dict]:
+    """Incidents of `kind` whose response (capture/verdict, checkpoint, restart) has been recorded."""
+    return [e for e in events(home, job) if e["kind"] == kind and key in e]
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:

@@ -20,7 +20,7 @@ __all__ = ["init", "__version__"]
 
 
 def init(**kwargs):
-    """Return this process's telemetry handle (see trainwatch.trainer.api.Telemetry)."""
-    from trainwatch.trainer.api import init as _init
+    """Return this process's telemetry handle (see trainwatch.rank.telemetry.Telemetry)."""
+    from trainwatch.rank.telemetry import init as _init
 
     return _init(**kwargs)

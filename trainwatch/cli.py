@@ -1,13 +1,13 @@
-"""`trainwatch` command line: launch, diagnose, explain, jobs, runbook, report, dashboards."""
+"""`trainwatch` entry point. Every command speaks the same way when given bad
+input: one `error: ...` line naming the fix, exit code 2, never a traceback."""
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
 import sys
-import time
 
 from trainwatch import __version__, state
+from trainwatch.usage import Parser, fail
 
 USAGE = """trainwatch {launch,diagnose,explain,jobs,runbook,report,dashboards} ...
 
@@ -21,48 +21,27 @@ USAGE = """trainwatch {launch,diagnose,explain,jobs,runbook,report,dashboards} .
 """
 
 
-def _fail(message: str, code: int = 2) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return code
-
-
 def cmd_launch(argv: list[str]) -> int:
     from trainwatch.watchdog.launcher import LaunchError, launch
 
     try:
         return launch(argv)
     except LaunchError as e:
-        return _fail(str(e))
+        return fail(str(e))
 
 
 def cmd_jobs(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainwatch jobs")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    jobs = state.list_jobs()
-    if args.json:
-        print(json.dumps(jobs, indent=2, default=str))
-        return 0
-    if not jobs:
-        print(f"no jobs under {state.home() / 'jobs'}")
-        return 0
-    print(f"{'JOB':<36} {'STATUS':<10} {'RANKS':>5} {'RESTARTS':>8}  {'STARTED':<19}  ENTRYPOINT")
-    for j in jobs:
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.get("start_time", 0)))
-        status = state.live_status(j)
-        print(
-            f"{j.get('job', '?'):<36} {status:<10} {len(j.get('ranks') or []):>5} {j.get('restarts', 0):>8}  "
-            f"{started:<19}  {j.get('entrypoint', '')}"
-        )
-    return 0
+    from trainwatch.views import jobs
+
+    return jobs.main(argv)
 
 
 def cmd_runbook(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainwatch runbook")
-    p.add_argument("id", nargs="?")
-    args = p.parse_args(argv)
     from trainwatch.diagnostics import runbooks
 
+    p = Parser(prog="trainwatch runbook", usage_hint="usage: trainwatch runbook [ID]")
+    p.add_argument("id", nargs="?")
+    args = p.parse_args(argv)
     if args.id is None:
         for rid, title in runbooks.list_runbooks():
             print(f"{rid:<28} {title}")
@@ -70,34 +49,24 @@ def cmd_runbook(argv: list[str]) -> int:
     try:
         print(runbooks.get_runbook(args.id))
     except ValueError as e:
-        return _fail(str(e))
+        return fail(str(e))
     return 0
 
 
 def cmd_explain(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainwatch explain")
-    p.add_argument("files", nargs="+", metavar="FILE", help="log, py-spy dump or kernel log; '-' reads stdin")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    from trainwatch.diagnostics import explain
+    from trainwatch.views import explain
 
-    return explain.main(args.files, args.json)
+    return explain.main(argv)
 
 
 def cmd_diagnose(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="trainwatch diagnose")
-    p.add_argument("job")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--native", action="store_true", help="include native frames (slower)")
-    p.add_argument("--timeout", type=float, default=8.0, help="overall time budget in seconds")
-    args = p.parse_args(argv)
-    from trainwatch.diagnostics import diagnose
+    from trainwatch.views import diagnose
 
-    return diagnose.main(args.job, as_json=args.json, native=args.native, timeout_s=args.timeout)
+    return diagnose.main(argv)
 
 
 def cmd_report(argv: list[str]) -> int:
-    from trainwatch import report
+    from trainwatch.views import report
 
     return report.main(argv)
 
@@ -108,6 +77,8 @@ def cmd_dashboards(argv: list[str]) -> int:
     return dashboards.main(argv)
 
 
+# Each command imports its module when run, so `trainwatch jobs` never pays
+# for torch and `trainwatch launch` announces the job before importing it.
 COMMANDS = {
     "launch": cmd_launch,
     "diagnose": cmd_diagnose,
@@ -129,13 +100,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = COMMANDS.get(argv[0])
     if command is None:
-        return _fail(f"unknown command {argv[0]!r}; use one of: {', '.join(COMMANDS)}")
+        return fail(f"unknown command {argv[0]!r}; use one of: {', '.join(COMMANDS)}")
     try:
         return command(argv[1:])
     except state.StateError as e:
-        return _fail(str(e))
+        return fail(str(e))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `trainwatch jobs | head -0`: the reader left; say nothing more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

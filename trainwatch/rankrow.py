@@ -145,3 +145,39 @@ def decode(table, now: float, nodes: Sequence[str] | str = "") -> list[RankRow]:
 
 def rows_json(rows: Iterable[RankRow]) -> list[dict]:
     return [r.to_json() for r in rows]
+
+
+def _get(d: dict, name: str, kind: type | tuple, default: Any = None) -> Any:
+    value = d.get(name, default)
+    if isinstance(value, bool) and kind is not bool:
+        return default
+    return value if isinstance(value, kind) else default
+
+
+def from_json(d: Any) -> RankRow | None:
+    """A RankRow from telemetry.json (written by a sidecar, read by anyone):
+    None for a record of the wrong shape; wrong-typed fields read as unknown."""
+    if not isinstance(d, dict) or not isinstance(d.get("rank"), int) or isinstance(d.get("rank"), bool):
+        return None
+    num = (int, float)
+    groups = []
+    for g in d.get("groups") if isinstance(d.get("groups"), list) else ():
+        if isinstance(g, dict) and all(isinstance(g.get(k), int) for k in ("pg", "enqueued", "completed")):
+            groups.append(slots.CollectiveGroup(g["pg"], g["enqueued"], g["completed"], str(g.get("last_op") or "")))
+    return RankRow(
+        rank=d["rank"], local_rank=_get(d, "local_rank", int, 0), node=_get(d, "node", str, ""),
+        pid=_get(d, "pid", int, 0), restart=_get(d, "restart", int, 0), step=_get(d, "step", int, 0),
+        step_source=_get(d, "step_source", str, "counted"), loss=_get(d, "loss", num),
+        grad_norm=_get(d, "grad_norm", num), step_s=_get(d, "step_s", num), compute_s=_get(d, "compute_s", num),
+        phase=_get(d, "phase", str, "init"), last_progress_s=float(_get(d, "last_progress_s", num, 0.0)),
+        last_step_s=float(_get(d, "last_step_s", num, 0.0)), phase_s=float(_get(d, "phase_s", num, 0.0)),
+        heartbeat_age_s=_get(d, "heartbeat_age_s", num), cpu_s=_get(d, "cpu_s", num),
+        py_collectives=_get(d, "py_collectives", int, 0), batches=_get(d, "batches", int, 0),
+        groups=tuple(groups[: slots.MAX_GROUPS]),
+    )
+
+
+def rows_from_json(data: Any) -> list[dict]:
+    """The valid rank records of a telemetry.json `ranks` list, re-encoded."""
+    rows = [from_json(d) for d in data] if isinstance(data, list) else []
+    return [r.to_json() for r in rows if r is not None]

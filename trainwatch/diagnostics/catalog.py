@@ -114,7 +114,8 @@ def _both(first: tuple[FrameRule, ...], second: tuple[FrameRule, ...]) -> tuple[
 
 # --- building blocks -------------------------------------------------------
 
-_DIST_FILE = r"(?:^|/)(?:torch/distributed/|deepspeed/comm/|megatron/|colossalai/)|_functional_collectives"
+# Files of torch.distributed and the frameworks that wrap it; collective_ops.py uses it too.
+DIST_FILE = r"(?:^|/)(?:torch/distributed/|deepspeed/comm/|megatron/|colossalai/)|_functional_collectives"
 # Names that are collectives wherever they appear.
 _STRONG_OP = (r"(?i)(?:^|[.:])_?(?:all_?reduce|all_?gather|reduce_?scatter|all_?to_?all)\w*(?:$|\()")
 # Names that are collectives only inside torch.distributed and friends (DataParallel has a `gather` too).
@@ -123,7 +124,7 @@ _WEAK_OP = (r"(?:^|[.:])_?(?:broadcast\w*|reduce|gather\w*|scatter\w*|send|recv|
 
 COLLECTIVE_RULES = (
     FrameRule(function=_STRONG_OP),
-    FrameRule(function=_WEAK_OP, file=_DIST_FILE),
+    FrameRule(function=_WEAK_OP, file=DIST_FILE),
     FrameRule(function=r"(?:^|[.:])(?:_wait_for_work|wait_tensor|_wait_all|wait)$",
               file=r"(?:^|/)torch/distributed/(?!elastic/)"),
     FrameRule(function=r"^c10d::(?:\w+::)*\w*Work\w*::wait"),
@@ -440,46 +441,3 @@ def classify(process: ProcessStack) -> str:
     """Stack category of a process; `other` when nothing in the catalog matches."""
     match = match_stack(process)
     return match.pattern.category if match else "other"
-
-
-# --- collective op names ---------------------------------------------------------
-
-_OP_TOKEN = re.compile(
-    r"^_*(?P<base>all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|monitored_barrier|barrier|"
-    r"reduce|gather|scatter|isend|irecv|send|recv)(?P<suffix>\w*)$",
-    re.IGNORECASE,
-)
-_CANONICAL = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
-              "alltoall": "all_to_all", "all_toall": "all_to_all", "allto_all": "all_to_all"}
-_KEPT_SUFFIXES = ("_into_tensor", "_coalesced", "_single", "_object", "_object_list", "_tensor")
-_WEAK_BASES = frozenset({"broadcast", "reduce", "gather", "scatter", "isend", "irecv", "send", "recv"})
-
-
-def collective_op(thread: ThreadStack) -> str | None:
-    """Name of the collective the thread is in (`all_reduce`, `barrier`, `recv`, ...), innermost first."""
-    for frame in thread.frames:
-        op = _op_of(frame)
-        if op is not None:
-            return op
-    return None
-
-
-def _op_of(frame: Frame) -> str | None:
-    name = frame.function.split("(", 1)[0]
-    tokens = [t for t in re.split(r"::|\.", name) if t]
-    native = name.startswith(("c10d::", "gloo::"))
-    for token in reversed(tokens[-2:]):
-        if token in ("RecvWork", "SendWork"):
-            return token[:4].lower()
-        m = _OP_TOKEN.match(token)
-        if m is None:
-            continue
-        base = m.group("base").lower()
-        base = _CANONICAL.get(base, base)
-        if base in _WEAK_BASES and not (native or _rx(_DIST_FILE).search(frame.file)):
-            continue
-        suffix = m.group("suffix").lower()
-        if m.group("suffix") and not suffix.startswith("_"):
-            continue  # `reduced`, `gathering`: a different word, not an op
-        return base + suffix if suffix in _KEPT_SUFFIXES else base
-    return None

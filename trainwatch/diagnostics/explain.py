@@ -5,29 +5,20 @@ kernel log) goes through every parser; whatever they recognise becomes a
 finding of the `explain --json` shape. Inputs are compared with each other
 too, so one log per rank is enough to name the rank that fell behind.
 
-`explain_inputs` is pure (bytes in, dict out); `main` is the thin shell that
-reads files and prints.
+`explain_inputs` is pure (bytes in, dict out); the command that reads files
+and prints is trainwatch.views.explain.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import re
-import sys
-from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import Callable
 
-from trainwatch.diagnostics import logparse
-
-# Other parsers, imported when first needed: a missing or broken one costs
-# its own findings, never the whole explain. (module, function, place):
-# hardware findings go before the log errors (an Xid often explains
-# everything after it), stacks after them.
-SIBLING_PARSERS = (
-    ("trainwatch.diagnostics.kernel_log", "xid_findings", "before"),
-    ("trainwatch.diagnostics.stacks", "stack_findings", "after"),
-)
+from trainwatch.diagnostics.findings import FINDING_KEYS
+from trainwatch.diagnostics.kernel_log import xid_findings
+from trainwatch.diagnostics.logparse import parse_log, rank_from_name
+from trainwatch.diagnostics.rank_comparison import collapse_ranks, mismatch_findings
+from trainwatch.diagnostics.stack_groups import stack_findings
 
 # How much of an input decides whether it is text; logs are large and the
 # first 64 KiB say enough.
@@ -57,28 +48,23 @@ def decode_input(name: str, data: bytes) -> tuple[str | None, str | None]:
     return data.decode("utf-8", errors="replace"), None
 
 
-def _sibling(module_name: str, function: str, name: str, text: str, errors: list[str]) -> list[dict]:
-    """Findings of another parser; its failure becomes one line in `errors`."""
-    label = module_name.rsplit(".", 1)[-1]
-    try:
-        parse = getattr(importlib.import_module(module_name), function)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            errors.append(f"{name}: {label} parser unavailable ({type(e).__name__}: {e})")
-        return []  # a parser that is not installed has nothing to say
-    except Exception as e:  # a broken parser must not hide the others' findings
-        errors.append(f"{name}: {label} parser unavailable ({type(e).__name__}: {e})")
-        return []
+def _parse_safely(label: str, parse: Callable[[str], list[dict]], name: str, text: str,
+                  errors: list[str]) -> list[dict]:
+    """Findings of one parser; a parser that raises becomes one line in `errors`.
+
+    Every input goes through every parser, so one parser's bug on one input
+    must not hide the other parsers' findings.
+    """
     try:
         return [dict(f) for f in parse(text)]
-    except Exception as e:  # one parser's bug must not hide the others' findings
+    except Exception as e:
         errors.append(f"{name}: {label} parser failed ({type(e).__name__}: {e})")
         return []
 
 
 def _normalize(finding: dict, file_rank: int | None) -> dict:
     """Every contract key present; the file's rank when the finding names none."""
-    for key in logparse.FINDING_KEYS:
+    for key in FINDING_KEYS:
         finding.setdefault(key, None)
     if file_rank is not None and finding["rank"] is None and not finding["ranks"]:
         finding["rank"] = file_rank
@@ -102,21 +88,22 @@ def explain_inputs(inputs: list[tuple[str, bytes]]) -> dict:
             errors.append(problem)
             continue
         text = _SOURCE_LINE.sub("", text)
-        file_rank = logparse.rank_from_name(name)
-        parsed = logparse.parse_log(text, source=name)
+        file_rank = rank_from_name(name)
+        parsed = parse_log(text, source=name)
         points += parsed.points
-        batch = list(parsed.findings)
-        for module_name, function, place in SIBLING_PARSERS:
-            found = _sibling(module_name, function, name, text, errors)
-            if function == "stack_findings" and parsed.findings:
-                # A log's own error lines already explain it; the traceback that
-                # printed them only adds an uninformative "other" stack.
-                found = [f for f in found if f.get("category") != "other"]
-            batch = found + batch if place == "before" else batch + found
+        hardware = _parse_safely("kernel_log", xid_findings, name, text, errors)
+        stacks = _parse_safely("stacks", stack_findings, name, text, errors)
+        if parsed.findings:
+            # A log's own error lines already explain it; the traceback that
+            # printed them only adds an uninformative "other" stack.
+            stacks = [f for f in stacks if f.get("category") != "other"]
+        # Hardware findings go first (an Xid often explains everything after
+        # it), then the log's errors, then stacks.
+        batch = hardware + parsed.findings + stacks
         findings += [_normalize(f, file_rank) for f in batch]
     # The same error printed in several rank files is one finding with
     # several ranks; stack and Xid findings pass through as their parsers made them.
-    return {"findings": logparse.mismatch_findings(points) + logparse.collapse_ranks(findings), "errors": errors}
+    return {"findings": mismatch_findings(points) + collapse_ranks(findings), "errors": errors}
 
 
 def _line(label: str, value: object) -> str:
@@ -134,7 +121,7 @@ def _facts(finding: dict) -> str:
     """The finding's extra facts (beyond the contract keys) as "key=value, ..."."""
     shown = []
     for key, value in finding.items():
-        if key in logparse.FINDING_KEYS or value is None or value == [] or isinstance(value, dict):
+        if key in FINDING_KEYS or value is None or value == [] or isinstance(value, dict):
             continue
         if isinstance(value, list) and any(isinstance(v, dict) for v in value):
             continue  # structured detail (e.g. `behind`) stays in the JSON output
@@ -170,42 +157,3 @@ def render_report(report: dict) -> str:
     for error in errors:
         out += f"\nskipped: {error}\n"
     return out
-
-
-def _read(path: str, stdin: BinaryIO) -> tuple[str, bytes]:
-    """(name, bytes) of one argument; OSError for an unreadable file."""
-    if path == "-":
-        return "<stdin>", stdin.read()
-    return path, Path(path).read_bytes()
-
-
-def main(paths: list[str], as_json: bool, stdin: BinaryIO | None = None,
-         out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Explain the given files ('-' = stdin); 0 when read, 2 for an unreadable file."""
-    stdin = sys.stdin.buffer if stdin is None else stdin
-    out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
-    if not paths:
-        err.write("error: no input given; pass a readable log, py-spy dump or kernel log ('-' reads stdin)\n")
-        return 2
-    inputs = []
-    for path in paths:
-        try:
-            inputs.append(_read(path, stdin))
-        except OSError as e:
-            reason = e.strerror or type(e).__name__
-            err.write(f"error: cannot read {path} ({reason}); pass a readable log, py-spy dump or kernel log\n")
-            return 2
-    report = explain_inputs(inputs)
-    out.write(json.dumps(report, indent=2) + "\n" if as_json else render_report(report))
-    return 0
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m trainwatch.diagnostics.explain")
-    parser.add_argument("files", nargs="+", metavar="FILE")
-    parser.add_argument("--json", action="store_true")
-    arguments = parser.parse_args()
-    raise SystemExit(main(arguments.files, arguments.json))

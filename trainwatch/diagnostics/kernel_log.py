@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from trainwatch.diagnostics.xid import (
     ECC_CODES,
-    SEVERITY_ORDER,
+    ECC_RUNBOOK,
+    XID_RUNBOOK,
     lookup,
     severity_rank,
     sxid_info,
@@ -363,7 +364,7 @@ def xid_findings(text: str) -> list[dict]:
             "rank": None,
             "ranks": None,
             "severity": event.severity,
-            "runbook": "gpu-ecc" if ecc else "gpu-xid",
+            "runbook": ECC_RUNBOOK if ecc else XID_RUNBOOK,
             "evidence": event.text,
             "action": event.action,
             "meaning": info.meaning,
@@ -375,16 +376,3 @@ def xid_findings(text: str) -> list[dict]:
         findings.append(finding)
     return findings
 
-
-__all__ = [
-    "BurstSummary",
-    "GPU_LOST_XID",
-    "GSP_TIMEOUT_XID",
-    "SEVERITY_ORDER",
-    "XidEvent",
-    "normalize_pci",
-    "parse_kernel_log",
-    "pci_key",
-    "summarize",
-    "xid_findings",
-]

@@ -1,8 +1,12 @@
 """From telemetry + stacks + incidents to one verdict: category, culprits, why.
 
-Pure logic. Each signal alone misleads (every rank of a hung job "waits in
-all_reduce"); together they point at the rank that is somewhere else. Scores
-are additive so that two independent signals beat one.
+Pure logic. Who stalled the job comes from the same culprit rule the sidecar's
+hang detector uses (trainwatch.diagnostics.culprit), so `diagnose` and the
+watchdog's incident never disagree on a rank. Stacks then say where the
+culprit is (the category and runbook) and add confidence when they agree;
+when the rule names nobody (every rank in the same collective, nobody behind),
+a stack that stands out, a rank py-spy could not sample or the watchdog's own
+incident still can.
 """
 
 from __future__ import annotations
@@ -11,24 +15,26 @@ from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Any, Iterable
 
-from trainwatch import slots
+import numpy as np
 
-STALL_FLOOR_S = 5.0
-"""A rank with no step for this long (or 5x its step time, if longer) counts as stalled."""
-HEARTBEAT_STALE_S = 2.0
-"""A heartbeat older than this means the rank holds the GIL or is stopped."""
+from trainwatch import slots
+from trainwatch.diagnostics import catalog
+from trainwatch.diagnostics.culprit import FLOOR_S, HEARTBEAT_STALE_S, K, Facts, GroupEntries, blame
+from trainwatch.diagnostics.stack_groups import odd_one_out
+from trainwatch.diagnostics.xid import ECC_CODES
+
 
 # Where a category's runbook lives when no catalog pattern named one.
 CATEGORY_RUNBOOK = {
-    "collective_wait": "collective-timeout",
+    "collective_wait": "collective-wait",
     "collective_mismatch": "collective-mismatch",
     "moe_all_to_all": "moe-all-to-all",
-    "barrier": "barrier",
-    "gc_collect": "gc-collect",
+    "barrier": "barrier-hang",
+    "gc_collect": "gc-hang",
     "dataloader": "dataloader-stall",
-    "checkpoint_io": "torch-save",
+    "checkpoint_io": "checkpoint-io",
     "compile_lock": "triton-cache-lock",
-    "cuda_sync": "cuda-synchronize",
+    "cuda_sync": "cuda-sync",
     "other": "hang",
     "child_failed": "child-failed",
     "xid": "gpu-xid",
@@ -42,6 +48,8 @@ CATEGORY_RUNBOOK = {
     "loss_spike": "loss-spike",
     "grad_explosion": "grad-explosion",
 }
+FALLBACK_RUNBOOK = "hang"
+"""Runbook of a category the table does not know, or of an incident that named none."""
 PHASE_CATEGORY = {"data": "dataloader", "checkpoint": "checkpoint_io"}
 
 
@@ -59,16 +67,11 @@ class Verdict:
 
 
 def _runbook_for(category: str, pattern_id: str | None) -> str:
-    if pattern_id:
-        try:
-            from trainwatch.diagnostics import catalog
-
-            pattern = catalog.get(pattern_id)
-            if pattern is not None and pattern.runbook:
-                return pattern.runbook
-        except (ImportError, AttributeError):
-            pass
-    return CATEGORY_RUNBOOK.get(category, "hang")
+    """The runbook of the catalog pattern that matched, else the category's."""
+    pattern = catalog.get(pattern_id)
+    if pattern is not None:
+        return pattern.runbook
+    return CATEGORY_RUNBOOK.get(category, FALLBACK_RUNBOOK)
 
 
 def _fmt(ranks: Iterable[int]) -> str:
@@ -84,7 +87,7 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
     bad_hw = [h for h in hardware if h.get("severity") in ("high", "critical")]
     if bad_hw:
         h = bad_hw[-1]
-        cat = "ecc" if h.get("kind") == "ecc" or h.get("xid") in (48, 63, 64, 92, 94, 95) else "xid"
+        cat = "ecc" if h.get("kind") == "ecc" or h.get("xid") in ECC_CODES else "xid"
         culprits = sorted({int(h["rank"]) for h in bad_hw if h.get("rank") is not None})
         return Verdict(
             cat, culprits,
@@ -96,7 +99,7 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
         last = incidents[-1] if incidents else None
         if last:
             return _from_incident(last, "no live ranks; showing the last incident")
-        return Verdict("other", [], "no telemetry from any rank yet", "hang", 0.1, [])
+        return Verdict("other", [], "no telemetry from any rank yet", _runbook_for("other", None), 0.1, [])
 
     # Only incidents of the current run of the worker group count as live.
     incidents = list(incidents)
@@ -109,7 +112,7 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
         culprits = sorted(mismatch.get("culprit_ranks") or [])
         return Verdict(
             "collective_mismatch", culprits, mismatch.get("summary", "collective mismatch"),
-            "collective-mismatch", 0.9, [str(mismatch.get("summary", ""))],
+            _runbook_for("collective_mismatch", None), 0.9, [str(mismatch.get("summary", ""))],
         )
     stopped = [r for r in ranks if r.get("state") == "stopped"]
     if stopped:
@@ -118,19 +121,21 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
             "stopped", culprits,
             f"{_fmt(culprits)} {'is' if len(culprits) == 1 else 'are'} stopped (process state T: SIGSTOP, job "
             f"control or a debugger); every peer waits for it. `kill -CONT` resumes it",
-            "stopped", 0.95, [f"rank {r['rank']}: process {r.get('pid')} is stopped" for r in stopped],
+            _runbook_for("stopped", None), 0.95,
+            [f"rank {r['rank']}: process {r.get('pid')} is stopped" for r in stopped],
         )
     # A rank that finished its work (phase 'done') and exited is not a failure.
     gone = [r for r in ranks if r.get("state") in (None, "gone", "zombie") and r.get("pid")
             and r.get("phase") != "done"]
     steps = [r["step"] for r in ranks]
     step_s = [r["step_s"] for r in ranks if r.get("step_s")]
-    stall_s = max(STALL_FLOOR_S, 5 * median(step_s)) if step_s else STALL_FLOOR_S
+    stall_s = max(FLOOR_S, K * median(step_s)) if step_s else FLOOR_S
     stalled = [r for r in ranks if (r.get("last_progress_s") or 0) > stall_s]
     if gone:
         culprits = sorted(r["rank"] for r in gone)
         return Verdict("child_failed", culprits, f"{_fmt(culprits)} exited; its peers cannot make progress",
-                       "child-failed", 0.85, [f"rank {r['rank']}: process {r['pid']} is gone" for r in gone])
+                       _runbook_for("child_failed", None), 0.85,
+                       [f"rank {r['rank']}: process {r['pid']} is gone" for r in gone])
     if not stalled:
         lp = max((r.get("last_progress_s") or 0) for r in ranks)
         recent = [i for i in incidents if i.get("kind") in ("straggler", "loss_spike", "loss_nan", "grad_explosion")]
@@ -139,59 +144,28 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
             "healthy", [],
             f"healthy: steps advancing on all {len(ranks)} ranks (step {min(steps)}..{max(steps)}, "
             f"last progress {lp:.1f}s ago){note}",
-            "healthy", 0.9, [f"rank {r['rank']}: step {r['step']} {r['last_progress_s']:.1f}s ago" for r in ranks],
+            _runbook_for("healthy", None), 0.9,
+            [f"rank {r['rank']}: step {r['step']} {r['last_progress_s']:.1f}s ago" for r in ranks],
         )
 
-    score: dict[int, float] = {r["rank"]: 0.0 for r in ranks}
-    why: dict[int, list[str]] = {r["rank"]: [] for r in ranks}
-
-    def add(rank: int, points: float, reason: str) -> None:
-        score[rank] += points
-        why[rank].append(reason)
-
-    fresh = [r for r in ranks if r.get("heartbeat_age_s") is not None and r["heartbeat_age_s"] <= HEARTBEAT_STALE_S]
-    for r in ranks:
-        if r.get("capture_error"):
-            add(r["rank"], 3, f"py-spy could not sample it: {r['capture_error']}")
-        hb = r.get("heartbeat_age_s")
-        if hb is not None and hb > HEARTBEAT_STALE_S and fresh:
-            add(r["rank"], 3, f"heartbeat {hb:.1f}s old: holds the GIL or is stopped")
-    waiting = [r for r in ranks if r.get("phase") in slots.WAIT_PHASES]
-    for r in ranks:
-        if r.get("phase") not in slots.WAIT_PHASES and waiting:
-            add(r["rank"], 2, f"in phase '{r.get('phase')}' while {len(waiting)} rank(s) wait in collectives")
-    if len(set(steps)) > 1:
-        for r in ranks:
-            if r["step"] < max(steps):
-                add(r["rank"], 1, f"behind at step {r['step']} (others up to {max(steps)})")
-    enq = [r["collectives"]["enqueued"] for r in ranks if r.get("collectives") and r["collectives"].get("enqueued") is not None]
-    if enq and len(set(enq)) > 1 and len(enq) == len(ranks):
-        top = max(enq)
-        for r in ranks:
-            if r["collectives"]["enqueued"] < top:
-                add(r["rank"], 2, f"launched collectives up to #{r['collectives']['enqueued']}, others up to #{top}")
-    from_groups: dict[int, Any] = {}
-    for g in groups:
-        for k in g.ranks:
-            from_groups[k] = g
-    try:
-        from trainwatch.diagnostics.stacks import odd_one_out
-
-        odd = odd_one_out(groups) if groups else None
-    except ImportError:
-        odd = None
-    if odd is not None:
-        for k in odd.ranks:
-            if k in score:
-                add(k, 2, f"its stack differs from the majority: {odd.evidence or (odd.frames[:1] or [''])[0]}")
-    live_incident = next((i for i in reversed(list(incidents)) if i.get("kind") in ("hang", "collective_mismatch")), None)
-    if live_incident:
-        for k in live_incident.get("culprit_ranks") or []:
-            if k in score:
-                add(k, 2, f"named by the watchdog's {live_incident['kind']} incident")
-
-    best = max(score.values())
-    culprits = sorted(k for k, v in score.items() if v == best and v > 0)
+    from_groups = {k: g for g in groups for k in g.ranks}
+    live_incident = next((i for i in reversed(incidents) if i.get("kind") in ("hang", "collective_mismatch")), None)
+    culprits, why = _culprits(ranks, stall_s)
+    odd = odd_one_out(groups) if groups else None
+    confidence = 0.6 if culprits else 0.45
+    if not culprits:
+        # The rule names nobody; what only diagnose has may still: a rank py-spy
+        # could not sample, a stack that stands out, the watchdog's incident.
+        unsampled = sorted(r["rank"] for r in ranks if r.get("capture_error"))
+        if unsampled and len(unsampled) < len(ranks):
+            culprits = unsampled
+            for r in ranks:
+                if r["rank"] in unsampled:
+                    why[r["rank"]].append(f"py-spy could not sample it: {r['capture_error']}")
+        elif odd is not None:
+            culprits = sorted(odd.ranks)
+        elif live_incident and live_incident.get("culprit_ranks"):
+            culprits = sorted(k for k in live_incident["culprit_ranks"] if k in why)
     if not culprits:
         g = groups[0] if groups else None
         cat = g.category if g is not None and g.category != "other" else "collective_wait"
@@ -202,8 +176,14 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
             _runbook_for(cat, g.pattern_id if g else None), 0.4,
             [f"{len(stalled)} rank(s) without progress for > {stall_s:.0f}s"],
         )
-
     lead = culprits[0]
+    if odd is not None and set(odd.ranks) == set(culprits):
+        confidence += 0.15
+        why[lead].append(f"its stack differs from the majority: {odd.evidence or (odd.frames[:1] or [''])[0]}")
+    if live_incident and set(live_incident.get("culprit_ranks") or []) == set(culprits):
+        confidence += 0.1
+        why[lead].append(f"named by the watchdog's {live_incident['kind']} incident")
+    confidence += 0.05 * min(2, len(why[lead]))
     lead_row = next(r for r in ranks if r["rank"] == lead)
     group = from_groups.get(lead)
     category, pattern_id = _category(lead_row, group, live_incident, ranks)
@@ -214,8 +194,64 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
         + (f"; {_fmt(victims)} wait for it" if victims else "")
     )
     evidence.extend(f"rank {lead}: {w}" for w in why[lead])
-    confidence = min(0.95, 0.4 + 0.08 * best)
-    return Verdict(category, culprits, summary, _runbook_for(category, pattern_id), round(confidence, 2), evidence)
+    return Verdict(category, culprits, summary, _runbook_for(category, pattern_id), round(min(0.95, confidence), 2),
+                   evidence)
+
+
+def _culprits(ranks: list[dict], stall_s: float) -> tuple[list[int], dict[int, list[str]]]:
+    """The shared culprit rule over diagnose's rows, with the reasons for each culprit."""
+    n = len(ranks)
+
+    def col(key: str, default: float) -> np.ndarray:
+        return np.array([r.get(key) if isinstance(r.get(key), (int, float)) else default for r in ranks], dtype=float)
+
+    phase = [r.get("phase") for r in ranks]
+    step = np.array([r["step"] for r in ranks], dtype=np.int64)
+    age = col("last_progress_s", 0.0)
+    hb = col("heartbeat_age_s", np.nan)
+    fresh = bool((hb <= HEARTBEAT_STALE_S).any())
+    facts = Facts(
+        step=step, age=age, base=np.full(n, stall_s),
+        in_wait=np.array([p in slots.WAIT_PHASES for p in phase]),
+        lenient=np.array([p in slots.SLOW_PHASES for p in phase]) & (step >= 1),
+        started=step >= 1,
+        # All heartbeats old says more about the sampling than about any rank.
+        hb_stale=(hb > HEARTBEAT_STALE_S) & fresh,
+        involved=age > stall_s,
+        groups=GroupEntries.of_rows([_groups(r) for r in ranks]),
+    )
+    b = blame(facts)
+    culprits = sorted(int(ranks[i]["rank"]) for i in np.nonzero(b.culprit)[0])
+    why: dict[int, list[str]] = {r["rank"]: [] for r in ranks}
+    waiting = int(facts.in_wait.sum())
+    for i, r in enumerate(ranks):
+        if not b.culprit[i]:
+            continue
+        reasons = why[r["rank"]]
+        if facts.hb_stale[i]:
+            reasons.append(f"heartbeat {hb[i]:.1f}s old: holds the GIL or is stopped")
+        if not facts.in_wait[i] and waiting:
+            reasons.append(f"in phase '{r.get('phase')}' while {waiting} rank(s) wait in collectives")
+        if step[i] < step.max():
+            reasons.append(f"behind at step {step[i]} (others up to {step.max()})")
+        if b.behind_seq is not None and i in b.behind_seq[2]:
+            reasons.append(f"launched collectives up to #{b.behind_seq[2][i]}, others up to #{b.behind_seq[1]}")
+        if r.get("capture_error"):
+            reasons.append(f"py-spy could not sample it: {r['capture_error']}")
+    return culprits, why
+
+
+def _groups(row: dict) -> list[dict]:
+    """A row's collective groups (telemetry rows carry all of them; older ones only `collectives`)."""
+    groups = [g for g in row.get("groups") or [] if isinstance(g, dict)
+              and all(isinstance(g.get(k), int) for k in ("pg", "enqueued", "completed"))]
+    if groups:
+        return groups
+    c = row.get("collectives") or {}
+    if isinstance(c.get("enqueued"), int):
+        return [{"pg": 0, "enqueued": c["enqueued"], "completed": c.get("completed") or 0,
+                 "last_op": c.get("last_op") or ""}]
+    return []
 
 
 def _category(row: dict, group: Any, incident: dict | None, ranks: list[dict]) -> tuple[str, str | None]:
@@ -241,12 +277,12 @@ def _from_incident(incident: dict, prefix: str) -> Verdict:
     if isinstance(verdict, dict) and verdict.get("category"):
         return Verdict(
             verdict["category"], list(verdict.get("culprit_ranks") or []),
-            f"{prefix}: {verdict.get('summary', '')}", verdict.get("runbook") or "hang",
+            f"{prefix}: {verdict.get('summary', '')}", verdict.get("runbook") or FALLBACK_RUNBOOK,
             float(verdict.get("confidence") or 0.5), list(verdict.get("evidence") or []),
         )
     kind = incident.get("kind", "other")
     category = incident.get("category") or kind
     return Verdict(
         category, list(incident.get("culprit_ranks") or []), f"{prefix}: {incident.get('summary', '')}",
-        incident.get("runbook") or CATEGORY_RUNBOOK.get(category, "hang"), 0.6, [],
+        incident.get("runbook") or CATEGORY_RUNBOOK.get(category, FALLBACK_RUNBOOK), 0.6, [],
     )

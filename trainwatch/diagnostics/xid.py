@@ -45,6 +45,10 @@ ACTIONS: tuple[str, ...] = (
 
 ECC_CODES: frozenset[int] = frozenset({48, 63, 64, 92, 94, 95, 140, 171, 172})
 """Codes about GPU memory ECC errors; they get the ECC runbook, not the generic one."""
+ECC_RUNBOOK = "gpu-ecc"
+"""Runbook for an Xid in ECC_CODES."""
+XID_RUNBOOK = "gpu-xid"
+"""Runbook for every other Xid and for NVSwitch SXids."""
 
 
 @dataclass(frozen=True, slots=True)

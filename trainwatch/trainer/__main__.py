@@ -12,7 +12,9 @@ import dataclasses
 import sys
 from typing import NoReturn, Sequence
 
-from trainwatch.trainer.config import DEVICES, MODEL_PRESETS, PRECISIONS, TrainConfig, UsageError, field_docs, flag, resolve
+from trainwatch.checkpoint import CheckpointError, ensure_writable, verify_checkpoint
+from trainwatch.flags import field_docs, flag
+from trainwatch.trainer.config import DEVICES, MODEL_PRESETS, PRECISIONS, TrainConfig, UsageError, resolve
 
 EXIT_USAGE = 2
 _CHOICES = {"device": DEVICES, "precision": PRECISIONS, "model_size": tuple(MODEL_PRESETS)}
@@ -55,17 +57,34 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=None if f.name in _CHOICES else f.name.upper(),
             help=help_text,
         )
+    parser.add_argument("--check", action="store_true",
+                        help="Check the flags, the checkpoint to resume from and --ckpt-dir, then exit without "
+                        "training (trainwatch launch runs this once before starting any rank).")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg = TrainConfig(**vars(args))
-    # Imported after parsing so --help and flag errors answer without loading torch.
-    from trainwatch.trainer.checkpoint import CheckpointError
+def check(cfg: TrainConfig) -> None:
+    """What `--check` verifies: a resolvable config, a verified --resume checkpoint,
+    a writable --ckpt-dir. Raises UsageError / CheckpointError."""
+    if cfg.resume not in ("auto", "never"):
+        try:
+            verify_checkpoint(cfg.resume)
+        except (CheckpointError, OSError) as e:
+            raise UsageError(f"--resume {cfg.resume}: {e}; pass a valid checkpoint, or --resume auto") from None
+    if cfg.ckpt_dir:
+        ensure_writable(cfg.ckpt_dir)
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    check_only = args.pop("check")
+    cfg = TrainConfig(**args)
     try:
         cfg = resolve(cfg)
+        if check_only:
+            check(cfg)
+            return 0
+        # Imported after parsing so --help, --check and flag errors answer without loading torch.
         from trainwatch.trainer.train import train
 
         train(cfg)

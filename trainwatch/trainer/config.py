@@ -8,15 +8,15 @@ builds a config by hand get the same one-line errors.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import math
 import os
-import textwrap
 from dataclasses import dataclass
 
-CKPT_DIR_ENV = "TRAINWATCH_CKPT_DIR"
+from trainwatch import env
+from trainwatch.flags import flag
+
+CKPT_DIR_ENV = env.CKPT_DIR
 """Environment variable naming the checkpoint directory when --ckpt-dir is not given
 (the launcher sets it so a restarted job finds its checkpoints)."""
 
@@ -102,30 +102,6 @@ class TrainConfig:
     """Print a progress line every this many steps (rank 0 only)."""
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The one-line docstrings under a dataclass's fields, by field name.
-
-    Read from the source so the field docstrings are the single description of
-    each setting; without source (a stripped install) the help is just shorter.
-    """
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
 def resolve(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainConfig:
     """Validate cfg and fill the size-dependent defaults; raises UsageError."""
     environ = os.environ if environ is None else environ
@@ -169,11 +145,6 @@ def resolve(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> Train
     if out.ckpt_dir == "":
         raise UsageError("--ckpt-dir must name a directory; got ''")
     return out
-
-
-def flag(name: str) -> str:
-    """Command-line spelling of a config field: max_steps -> max-steps."""
-    return name.replace("_", "-")
 
 
 def summary(cfg: TrainConfig) -> dict[str, object]:

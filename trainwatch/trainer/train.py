@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import trainwatch
-from trainwatch.trainer import checkpoint as ckpt
+from trainwatch import checkpoint as ckpt
 from trainwatch.trainer.config import MODEL_PRESETS, TrainConfig, UsageError, summary
 from trainwatch.trainer.data import get_batch, load_corpus
 from trainwatch.trainer.model import GPT, flops_per_token, peak_bf16_flops

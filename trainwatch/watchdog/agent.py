@@ -20,6 +20,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from trainwatch import slots, state
+from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 
 log = logging.getLogger("trainwatch")
 
@@ -40,9 +41,7 @@ class TrainwatchAgent(LocalElasticAgent):
         self.node = socket.gethostname()
         self._on_event = on_event or (lambda kind, data: None)
         self.restart_count = 0
-        self._exit_file = state.job_dir(job) / "control" / "exits.jsonl"
-        self._restart_file = state.job_dir(job) / "control" / "restart-request.json"
-        self._timing_file = state.job_dir(job) / "control" / "restart-timing.json"
+        self.dir = state.JobDir(job)
         self.max_backoff_s = 30.0
         self.emergency_timeout_s = emergency_timeout_s
         self._survivors_saved = -1
@@ -64,8 +63,7 @@ class TrainwatchAgent(LocalElasticAgent):
             }
             for w in worker_group.workers
         ]
-        state.update_job(
-            self.job,
+        self.dir.update_job(
             status="running",
             ranks=ranks,
             world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
@@ -103,7 +101,7 @@ class TrainwatchAgent(LocalElasticAgent):
         print(f"[trainwatch] restarting worker group (restart {self.restart_count}/{worker_group.spec.max_restarts}"
               + (f", after {backoff:.0f}s backoff" if backoff else "") + ")", flush=True)
         t0 = time.monotonic()
-        state.update_job(self.job, status="restarting")
+        self.dir.update_job(status="restarting")
         self._stop_workers(worker_group)
         t1 = time.monotonic()
         if backoff:
@@ -112,7 +110,7 @@ class TrainwatchAgent(LocalElasticAgent):
         self._initialize_workers(worker_group)  # rendezvous + start, as torchelastic does
         t2 = time.monotonic()
         state.write_json_atomic(
-            self._timing_file,
+            self.dir.restart_timing_file,
             {"restart": self.restart_count, "stop_begin": t0, "stop_end": t1, "backoff_s": backoff,
              "workers_started": t2, "rendezvous_s": round(t2 - t1 - backoff, 3)},
         )
@@ -141,9 +139,7 @@ class TrainwatchAgent(LocalElasticAgent):
             signal_name = None
             if failure.exitcode is not None and failure.exitcode < 0:
                 try:
-                    import signal as _signal
-
-                    signal_name = _signal.Signals(-failure.exitcode).name
+                    signal_name = signal.Signals(-failure.exitcode).name
                 except ValueError:
                     signal_name = f"SIG{-failure.exitcode}"
             lines.append(
@@ -158,9 +154,8 @@ class TrainwatchAgent(LocalElasticAgent):
                     "first": (worker.local_rank if worker else failure.local_rank) in self._first_failed,
                 }
             )
-        with open(self._exit_file, "a") as f:
-            for line in lines:
-                f.write(json.dumps(line) + "\n")
+        for line in lines:
+            state.append_line(self.dir.exits_file, json.dumps(line))
         self._on_event("workers_failed", {"exits": lines})
 
     def _checkpoint_survivors(self) -> None:
@@ -182,8 +177,6 @@ class TrainwatchAgent(LocalElasticAgent):
         alive = [lr for lr, code in codes.items() if code is None]
         if not alive:
             return
-        from trainwatch.watchdog.actions import request_emergency_checkpoint
-
         def running(local_rank: int) -> bool:
             return handlers[local_rank].proc.poll() is None
 
@@ -192,15 +185,15 @@ class TrainwatchAgent(LocalElasticAgent):
         self._on_event("survivors_checkpointed", result)
 
     def _take_restart_request(self) -> dict | None:
-        try:
-            request = json.loads(self._restart_file.read_text())
-        except (OSError, ValueError):
+        request = state.read_json(self.dir.restart_request_file)
+        if request is None:
             return None
         try:
-            os.unlink(self._restart_file)
+            os.unlink(self.dir.restart_request_file)
         except OSError:
             pass
-        if int(request.get("generation", self.restart_count)) != self.restart_count:
+        generation = request.get("generation", self.restart_count)
+        if not isinstance(generation, int) or generation != self.restart_count:
             log.warning("trainwatch: ignoring a restart request for an earlier worker group (%s)", request.get("reason"))
             return None
         return request

@@ -1,25 +1,19 @@
 """Prometheus exporter: a Collector that reads current state at scrape time.
 
-Nothing is pushed per step: a scrape copies the slot table (a memcpy) and turns
-it into metric families, so a job that is never scraped pays nothing.
+Nothing is pushed per step: a scrape decodes the sidecar's last read of the
+slot table into metric families, so a job that is never scraped pays nothing.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol
 
 import numpy as np
-
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from trainwatch import slots
-from trainwatch.rankrow import progress_mono
-
-if TYPE_CHECKING:
-    from trainwatch.watchdog.sidecar import Sidecar
+from trainwatch.rankrow import RankRow
 
 INCIDENT_KINDS = ("hang", "collective_mismatch", "straggler", "crash", "loss_nan", "loss_spike",
                   "grad_explosion", "xid", "ecc", "restart")
@@ -79,17 +73,28 @@ class StepHistogram:
             yield rank, np.cumsum(self.counts[rank]).tolist(), float(self.sums[rank])
 
 
+class Source(Protocol):
+    """What the exporter reads at scrape time (the sidecar)."""
+
+    job: str
+    node: str
+    step_hist: StepHistogram
+    incident_counts: dict[str, int]
+
+    def rows(self) -> list[RankRow]: ...
+    def straggler_ratios(self) -> dict[int, float]: ...
+    def restarts(self) -> int: ...
+    def hardware_metrics(self) -> Iterator: ...
+
+
 class TrainwatchCollector(Collector):
-    def __init__(self, sidecar: "Sidecar"):
+    def __init__(self, sidecar: Source):
         self.sidecar = sidecar
 
     def collect(self) -> Iterator:
         sc = self.sidecar
         job = sc.job
         labels = ["job", "node", "rank"]
-        table = sc.last_table
-        now = time.monotonic()
-        progress = progress_mono(table) if table is not None and len(table) else None
         step = GaugeMetricFamily("trainwatch_step", "Last completed training step.", labels=labels)
         loss = GaugeMetricFamily("trainwatch_loss", "Loss reported at the last step.", labels=labels)
         grad = GaugeMetricFamily("trainwatch_grad_norm", "Gradient norm reported at the last step.", labels=labels)
@@ -116,28 +121,23 @@ class TrainwatchCollector(Collector):
             labels=labels,
         )
         ratios = sc.straggler_ratios()
-        if table is not None:
-            for i, (row, node) in enumerate(zip(table, sc.last_nodes)):
-                if row["pid"] <= 0:
-                    continue
-                lv = [job, node, str(int(row["rank"]))]
-                step.add_metric(lv, float(row["step"]))
-                if math.isfinite(row["loss"]):
-                    loss.add_metric(lv, float(row["loss"]))
-                if math.isfinite(row["grad_norm"]):
-                    grad.add_metric(lv, float(row["grad_norm"]))
-                age.add_metric(lv, max(0.0, now - float(progress[i])))
-                if row["heartbeat_mono"] > 0:
-                    hb.add_metric(lv, max(0.0, now - float(row["heartbeat_mono"])))
-                code = int(row["phase"])
-                if 0 <= code < len(slots.PHASES):
-                    phase.add_metric(lv + [slots.PHASES[code]], 1.0)
-                for g in row["groups"][: max(0, min(int(row["ngroups"]), slots.MAX_GROUPS))]:
-                    seq.add_metric(lv + [str(int(g["pg"])), "enqueued"], float(g["enqueued"]))
-                    seq.add_metric(lv + [str(int(g["pg"])), "completed"], float(g["completed"]))
-                r = ratios.get(int(row["rank"]))
-                if r is not None and math.isfinite(r):
-                    ratio.add_metric(lv, r)
+        for r in sc.rows():
+            lv = [job, r.node, str(r.rank)]
+            step.add_metric(lv, float(r.step))
+            if r.loss is not None:
+                loss.add_metric(lv, r.loss)
+            if r.grad_norm is not None:
+                grad.add_metric(lv, r.grad_norm)
+            age.add_metric(lv, r.last_progress_s)
+            if r.heartbeat_age_s is not None:
+                hb.add_metric(lv, r.heartbeat_age_s)
+            phase.add_metric(lv + [r.phase], 1.0)
+            for g in r.groups:
+                seq.add_metric(lv + [str(g.pg), "enqueued"], float(g.enqueued))
+                seq.add_metric(lv + [str(g.pg), "completed"], float(g.completed))
+            x = ratios.get(r.rank)
+            if x is not None and math.isfinite(x):
+                ratio.add_metric(lv, x)
         yield from (step, loss, grad, age, phase, seq, hb, ratio)
 
         hist = HistogramMetricFamily(

@@ -30,21 +30,6 @@ INCIDENT_SEVERITIES = ("high", "critical")
 
 # What the driver itself prints for common codes, so an injected line reads
 # (and parses) like the real thing.
-DRIVER_TEXT = {
-    13: "Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Out Of Range Address",
-    31: "Ch 00000008, intr 10000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f1c_2e000000. "
-        "Fault is of type FAULT_PDE ACCESS_TYPE_READ",
-    48: "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 0, "
-        "subpartition 0.",
-    63: "Row Remapper: New row marked for remapping, reset gpu to activate.",
-    74: "NVLink: fatal error detected on link 4(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)",
-    79: "GPU has fallen off the bus.",
-    94: "Contained: SM (0x1). RST: No, D-RST: No",
-    95: "Uncontained: FBHUB. RST: Yes, D-RST: No",
-    119: "Timeout after 6s of waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL).",
-}
-
-
 class KernelLogSource:
     """Follows a kernel log from now on: a file (tests, or a forwarded syslog) or /dev/kmsg."""
 
@@ -93,20 +78,15 @@ class KernelLogSource:
 
 
 class HardwareMonitor:
-    def __init__(self, *, nproc: int, kernel_log_path: str | None, faults: list[dict], nvml: Any = None,
+    def __init__(self, *, nproc: int, kernel_log_path: str | None, nvml: Any = None, injected: Any = None,
                  out=None, clock=time.monotonic):
         self.clock = clock
         self.out = out
-        self.faults = [f for f in faults if f.get("kind") in ("xid", "ecc")]
-        self.fired: set[int] = set()
-        if nvml is None and self.faults:
-            # Injected hardware faults go through a fake NVML on any machine.
-            from trainwatch.watchdog.fake_nvml import FakeNvml
-
-            nvml = FakeNvml(gpu_count=max(1, nproc))
-            for gpu in nvml.gpus:
-                gpu.throttle_mask = 0x1  # what an idle GPU reports: the ranks compute on the CPU
-        self.fake = nvml if nvml is not None and type(nvml).__name__ == "FakeNvml" else None
+        # Injected faults (`--inject xid/ecc`) bring their own fake GPUs and play
+        # the driver's part; production code only ever sees an NVML and a log.
+        self.injected = injected
+        if nvml is None and injected is not None:
+            nvml = injected.nvml
         self.poller = NvmlPoller(nvml)
         self.enabled = self.poller.start()
         if not self.enabled:
@@ -122,7 +102,6 @@ class HardwareMonitor:
             self.watcher = XidEventWatcher(self.poller, self.events.put)
             self.watcher.start()
         self.kernel = KernelLogSource.open(kernel_log_path)
-        self.kernel_log_path = kernel_log_path
         self.xid_counts: dict[tuple[int, int, str], int] = {}
         """(gpu, xid code, severity) -> events, for trainwatch_gpu_xid_errors_total."""
         self.ecc_seen: dict[int, int] = {}
@@ -149,7 +128,8 @@ class HardwareMonitor:
 
     def poll_incidents(self, sidecar: Any) -> list[Incident]:
         table = sidecar.last_table
-        self._inject(table)
+        if self.injected is not None:
+            self.injected.apply(table, self)
         found: list[Incident] = []
         now = self.clock()
         if self.enabled and now - self._last_sample >= SAMPLE_INTERVAL_S:
@@ -242,40 +222,6 @@ class HardwareMonitor:
                     )
                 )
         return out
-
-    def _inject(self, table) -> None:
-        if not self.faults or table is None or not len(table):
-            return
-        for i, f in enumerate(self.faults):
-            if i in self.fired:
-                continue
-            rows = table[table["rank"] == f.get("rank", 1)]
-            if not len(rows) or int(rows["step"][0]) + 1 < f.get("step", 5):
-                continue
-            self.fired.add(i)
-            from trainwatch.watchdog.faults import mark_fired
-            from trainwatch.watchdog.inject import FaultSpec
-
-            mark_fired(FaultSpec(f["kind"], f.get("rank", 1), f.get("step", 5), dict(f.get("params", {}))),
-                       f.get("rank", 1), int(rows["step"][0]) + 1)
-            local = int(rows["local_rank"][0])
-            gpu = self.gpu_of_local_rank.get(local, local)
-            if f["kind"] == "ecc" and self.fake is not None:
-                self.fake.inject_ecc(gpu, uncorrected=1)
-            elif f["kind"] == "xid":
-                self._append_xid_line(gpu, int(f.get("params", {}).get("code", 79)), int(rows["pid"][0]))
-
-    def _append_xid_line(self, gpu: int, code: int, pid: int) -> None:
-        if not self.kernel_log_path:
-            log.warning("trainwatch: xid injection needs a kernel-log file (--kernel-log); skipped")
-            return
-        pci = next((s.pci_bus_id for s in self.samples if s.index == gpu), f"0000:{0x3b + gpu * 0x10:02x}:00.0")
-        bus = pci.rsplit(".", 1)[0]
-        ts = time.monotonic()
-        text = DRIVER_TEXT.get(code) or xid.lookup(code).meaning
-        line = f"[{ts:12.6f}] NVRM: Xid (PCI:{bus}): {code}, pid={pid}, name=python, {text}\n"
-        with open(self.kernel_log_path, "a") as f:
-            f.write(line)
 
     # ---- metrics ------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """GPU health from NVML: per-GPU samples, Xid events, GPU <-> local rank mapping.
 
 The ``nvml`` module is injected (default: ``pynvml`` from nvidia-ml-py) so the
-same code runs against ``trainwatch.watchdog.fake_nvml.FakeNvml`` in tests.
+same code runs against ``trainwatch.inject.fake_nvml.FakeNvml`` in tests.
 Only ``nvml.NVMLError``, ``nvml.NVML_*`` constants and ``nvml.nvml*``
 functions are used, exactly as pynvml spells them.
 

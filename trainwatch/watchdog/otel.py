@@ -29,12 +29,13 @@ class IncidentTracer:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         return cls(provider)
 
-    def incident(self, record: dict) -> None:
-        """Record an incident as a span; its events come from what the sidecar did."""
+    def start(self, record: dict) -> Any:
+        """Open the incident's span at its detection; its events come as the responder acts."""
         kind = record.get("kind", "unknown")
-        detected_ns = _ns(record.get("detected_wall")) or time.time_ns()
+        detected_ns = time.time_ns()
         span = self.tracer.start_span(f"trainwatch.incident.{kind}", start_time=detected_ns)
         span.set_attribute("trainwatch.incident.kind", kind)
+        span.set_attribute("trainwatch.incident.id", str(record.get("id", "")))
         span.set_attribute("trainwatch.incident.severity", str(record.get("severity", "")))
         span.set_attribute("trainwatch.incident.summary", str(record.get("summary", "")))
         span.set_attribute("trainwatch.incident.culprit_ranks", [int(r) for r in record.get("culprit_ranks") or []])
@@ -42,11 +43,19 @@ class IncidentTracer:
         if record.get("runbook"):
             span.set_attribute("trainwatch.incident.runbook", str(record["runbook"]))
         span.add_event("detection", {"summary": str(record.get("summary", ""))}, timestamp=detected_ns)
+        return span
+
+    def finish(self, span: Any, results: dict) -> None:
+        """One event per action result (capture, verdict, checkpoint, restart), then end the span."""
         for name in ("capture", "verdict", "checkpoint", "restart"):
-            info = record.get(name)
+            info = results.get(name)
             if isinstance(info, dict):
                 span.add_event(name, {k: _attr(v) for k, v in info.items() if _attr(v) is not None})
         span.end()
+
+    def incident(self, record: dict) -> None:
+        """Record an incident and what was done about it as one span."""
+        self.finish(self.start(record), record)
 
     def shutdown(self) -> None:
         self.provider.shutdown()
@@ -54,13 +63,6 @@ class IncidentTracer:
 
 def resource(job: str, node: str) -> Resource:
     return Resource.create({"service.name": "trainwatch", "trainwatch.job": job, "host.name": node})
-
-
-def _ns(wall: Any) -> int | None:
-    try:
-        return int(float(wall) * 1e9)
-    except (TypeError, ValueError):
-        return None
 
 
 def _attr(v: Any):

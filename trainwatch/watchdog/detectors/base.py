@@ -92,12 +92,6 @@ class TickView:
         idx = np.nonzero(live)[0]
         return cls(now=now, table=table[idx], nodes=[labels[i] for i in idx], exits=list(exits))
 
-    def node_of(self, rank: int) -> str:
-        rows = np.nonzero(self.table["rank"] == rank)[0]
-        if len(rows) == 0 or not self.nodes:
-            return ""
-        return self.nodes[int(rows[0])]
-
 
 class Detector(ABC):
     """One fault detector. Register new ones in `trainwatch.watchdog.detectors`."""
@@ -275,52 +269,6 @@ def robust_spread(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, n
     med = row_median(values, counts)
     mad = row_median(np.abs(values - med[:, None]), counts)
     return med, mad
-
-
-@dataclass(slots=True)
-class GroupEntries:
-    """The (row, process group) pairs of a table, flattened: one entry per
-    collective group a rank reported, so groups compare with column ops."""
-
-    row: np.ndarray
-    """Row index into the table."""
-    pg: np.ndarray
-    """Process group id."""
-    enqueued: np.ndarray
-    """Last launched collective sequence number."""
-    completed: np.ndarray
-    """Last completed collective sequence number."""
-    last_op: np.ndarray
-    """Last launched op name (bytes)."""
-
-    @classmethod
-    def of(cls, table: np.ndarray, rows: np.ndarray | None = None) -> GroupEntries:
-        sub = table if rows is None else table[rows]
-        base = np.arange(len(table)) if rows is None else np.asarray(rows)
-        ng = np.clip(sub["ngroups"], 0, slots.MAX_GROUPS)
-        r, k = np.nonzero(np.arange(slots.MAX_GROUPS)[None, :] < ng[:, None])
-        g = sub["groups"][r, k]
-        return cls(row=base[r], pg=g["pg"], enqueued=g["enqueued"], completed=g["completed"], last_op=g["last_op"])
-
-
-def seq_behind(entries: GroupEntries, rows: np.ndarray | None = None) -> tuple[int, int, dict[int, int]] | None:
-    """First process group (lowest id) whose ranks disagree on the last
-    launched sequence number, among `rows` (all when None): (pg, highest seq,
-    {row: seq} of the rows behind). None when all agree."""
-    keep = np.ones(len(entries.row), dtype=bool) if rows is None else np.isin(entries.row, rows)
-    keep &= entries.enqueued >= 0
-    pgs = entries.pg[keep]
-    enq = entries.enqueued[keep]
-    erow = entries.row[keep]
-    for pg in np.unique(pgs):
-        sel = pgs == pg
-        e = enq[sel]
-        if len(e) < 2 or e.min() == e.max():
-            continue
-        top = int(e.max())
-        behind = e < top
-        return int(pg), top, {int(r): int(v) for r, v in zip(erow[sel][behind], e[behind])}
-    return None
 
 
 def op_name(raw: bytes) -> str:

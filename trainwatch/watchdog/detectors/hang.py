@@ -26,16 +26,17 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from trainwatch import slots
+from trainwatch.diagnostics.culprit import FLOOR_S, HEARTBEAT_STALE_S, K, QUIET_FRACTION, Facts, GroupEntries, blame
 from trainwatch.watchdog.detectors.base import (
     SLOW_CODES,
     WAIT_CODES,
     ActivityTracker,
     Detector,
-    GroupEntries,
     RankRing,
     StepTracker,
     TickView,
@@ -43,7 +44,6 @@ from trainwatch.watchdog.detectors.base import (
     op_name,
     phase_name,
     row_quantile,
-    seq_behind,
 )
 from trainwatch.watchdog.incident import Incident, describe_ranks, format_ranks
 
@@ -56,11 +56,7 @@ _CATEGORY_WORDS = {
     "stopped": "process stopped",
     "other": "compute",
 }
-# A rank is "quiet" (a culprit candidate) after this fraction of its threshold:
-# a healthy rank completes a step every p99 at worst, so half of k x p99
-# without progress is already far outside normal; it lets a culprit whose last
-# step ended a few ms after its victims' be named on the same tick.
-_QUIET_FRACTION = 0.5
+_QUIET_FRACTION = QUIET_FRACTION
 _MAX_LISTED = 32
 
 
@@ -68,9 +64,9 @@ _MAX_LISTED = 32
 class HangConfig:
     """Thresholds of the hang detector."""
 
-    floor_s: float = 5.0
+    floor_s: float = FLOOR_S
     """Minimum time without progress before a rank counts as hung (s)."""
-    k: float = 5.0
+    k: float = K
     """A rank is hung after k x the p99 of its recent step times, when longer than floor_s (factor)."""
     history: int = 50
     """Recent step times kept per rank for that p99 (steps)."""
@@ -85,7 +81,7 @@ class HangConfig:
     """CPU use, in cores, at or above which a rank counts as working (fraction of a core)."""
     active_io_bytes_s: float = 1e6
     """I/O rate at or above which a rank counts as working, e.g. writing a checkpoint (bytes/s)."""
-    heartbeat_stale_s: float = 2.0
+    heartbeat_stale_s: float = HEARTBEAT_STALE_S
     """Heartbeat age meaning the rank holds the GIL or is stopped; the sampler beats every 0.2 s (s)."""
 
 
@@ -148,7 +144,6 @@ class HangDetector(Detector):
         hb_stale = hb_age > cfg.heartbeat_stale_s
         active = ~hb_stale & ((cpu_rate >= cfg.active_cpu) | (io_rate >= cfg.active_io_bytes_s))
         stuck = age > base
-        quiet = age > base * _QUIET_FRACTION
         peers_waiting = bool((stuck & in_wait & ~done).any())
 
         limit = base.copy()
@@ -174,7 +169,9 @@ class HangDetector(Detector):
         if self._in_episode:
             return []
         self._in_episode = True
-        ctx = _Context(view, age, limit, involved, quiet, in_wait, slow_ok, started, hb_age, hb_stale)
+        facts = Facts(step=t["step"], age=age, base=base, in_wait=in_wait, lenient=slow_ok, started=started,
+                      hb_stale=hb_stale, involved=involved, groups=GroupEntries.of(t))
+        ctx = _Context(view, age, limit, involved, hb_age, hb_stale, blame(facts))
         return [self._incident(ctx)]
 
     def _p99_of(self, ranks: np.ndarray) -> np.ndarray:
@@ -192,34 +189,13 @@ class HangDetector(Detector):
         ranks = t["rank"]
         step = t["step"]
         involved = c.involved
-
-        culprit = (involved & ~c.in_wait) | (c.quiet & c.hb_stale)
-        # Not yet past its own threshold but clearly not progressing either,
-        # outside any wait and with no excuse (warm-up, a slow phase it works through).
-        culprit |= c.quiet & ~c.in_wait & c.started & ~c.lenient & (step <= step[involved].max())
-        pattern = "rank_elsewhere"
-        behind_seq = None
-        if not culprit.any():
-            pattern = "all_in_collective"
-            rows = np.nonzero(involved)[0]
-            low = step[rows].min()
-            if low < step[rows].max():
-                culprit[rows[step[rows] == low]] = True
-                pattern = "behind_in_step"
-            else:
-                behind_seq = seq_behind(GroupEntries.of(t, rows))
-                if behind_seq is not None:
-                    culprit[list(behind_seq[2])] = True
-                    pattern = "behind_in_seq"
-        victims = (involved | c.quiet) & c.in_wait & ~culprit
-
-        c_rows = np.nonzero(culprit)[0]
-        v_rows = np.nonzero(victims)[0]
+        pattern, behind_seq = c.blame.pattern, c.blame.behind_seq
+        c_rows = np.nonzero(c.blame.culprit)[0]
+        v_rows = np.nonzero(c.blame.victims)[0]
         culprits = ranks[c_rows].tolist()
         at_step = int(step[involved].max())
         stopped_rows = []
-        if pattern == "rank_elsewhere" and c.hb_stale[c_rows].any():
-            pattern = "gil_or_stopped"
+        if pattern == "gil_or_stopped":
             if view.proc_state is not None:
                 stopped_rows = [r for r in c_rows if view.proc_state(int(t["pid"][r])) == "stopped"]
             if stopped_rows:
@@ -340,12 +316,9 @@ class _Context:
     age: np.ndarray
     limit: np.ndarray
     involved: np.ndarray
-    quiet: np.ndarray
-    in_wait: np.ndarray
-    lenient: np.ndarray
-    started: np.ndarray
     hb_age: np.ndarray
     hb_stale: np.ndarray
+    blame: Any
 
 
 def _same_op(t: np.ndarray, rows: np.ndarray) -> str:

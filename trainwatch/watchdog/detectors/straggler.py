@@ -69,7 +69,6 @@ class StragglerDetector(Detector):
         t = view.table
         if len(t) == 0:
             return []
-        cfg = self.config
         ranks = t["rank"]
         self._streak = grow(self._streak, int(ranks.max()) + 1, 0)
         advanced, restarted = self._steps.update(t)

@@ -135,7 +135,7 @@ class EmergencyCheckpointer:
             return self._write(reason)
 
     def _write(self, reason: str) -> str | None:
-        from trainwatch.trainer.checkpoint import save_checkpoint
+        from trainwatch.checkpoint import save_checkpoint
 
         with self._lock:
             index = self._current

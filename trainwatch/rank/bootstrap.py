@@ -1,7 +1,9 @@
 """Zero-code telemetry: `trainwatch launch` runs an unmodified script through here.
 
-    python -u -m trainwatch.watchdog.bootstrap train.py ARGS...
-    python -u -m trainwatch.watchdog.bootstrap -m package.module ARGS...
+    python -u -m trainwatch.rank.bootstrap train.py ARGS...
+    python -u -m trainwatch.rank.bootstrap -m package.module ARGS...
+
+(the launcher routes every Python worker through it; nobody types this).
 
 It attaches the rank to its slot, then runs the user's program as __main__.
 Steps come from a global optimizer step post-hook; phases from light wrappers
@@ -94,7 +96,7 @@ def install_zero_code(tw) -> None:
     for cls in (torch.no_grad, torch.inference_mode):
         _mark_on_exit(cls, tw)
 
-    if tw.faults is not None and tw.faults.wants("hang", "collective_skip"):
+    if tw.faults.wants("hang", "collective_skip"):
         _skip_ddp_allreduce(tw)
 
 
@@ -143,8 +145,6 @@ def _skip_ddp_allreduce(tw) -> None:
 
 def _warn_unfired(tw) -> None:
     """An armed fault that never fired is said, never silently dropped."""
-    if tw.faults is None:
-        return
     for f in tw.faults.unfired():
         where = f":where={f.params['where']}" if f.kind == "hang" else ""
         print(f"[trainwatch] rank {tw.rank}: injected fault {f.kind}{where} (step {f.step}) never fired: "
@@ -155,7 +155,8 @@ def _warn_unfired(tw) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: python -m trainwatch.watchdog.bootstrap (SCRIPT | -m MODULE) [ARGS...]", file=sys.stderr)
+        print("error: python -m trainwatch.rank.bootstrap needs SCRIPT or -m MODULE (trainwatch launch runs it)",
+              file=sys.stderr)
         raise SystemExit(2)
     tw = trainwatch.init()
     try:

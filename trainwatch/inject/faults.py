@@ -7,15 +7,17 @@ would find the real thing, from slots and stacks.
 from __future__ import annotations
 
 import gc
-import json
 import itertools
+import json
 import os
-import signal
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from trainwatch.watchdog.inject import FaultSpec
+from trainwatch import env, state
+from trainwatch.inject.spec import HARDWARE_KINDS, FaultSpec, decode, signal_number
+from trainwatch.inject.hooks import NO_FAULTS, FaultHooks
 
 # Which fault point each fault fires at. The trainer calls "data" before each
 # batch, "forward" before forward, "step_end" after tw.step; the zero-code
@@ -32,37 +34,35 @@ _POINTS = {
 
 def mark_fired(f: FaultSpec, rank: int, step: int) -> None:
     """Record when a fault really began (for detection and recovery latency):
-    one line in the job's control/faults.jsonl, CLOCK_MONOTONIC and wall time."""
-    job, home = os.environ.get("TRAINWATCH_JOB"), os.environ.get("TRAINWATCH_HOME")
+    one line in the job's faults file, CLOCK_MONOTONIC and wall time."""
+    job, home = os.environ.get(env.JOB), os.environ.get(env.HOME)
     if not job or not home:
         return
     line = json.dumps({"kind": f.kind, "params": f.params, "rank": rank, "step": step,
                        "mono": time.monotonic(), "wall": time.time()})
     try:
-        fd = os.open(os.path.join(home, "jobs", job, "control", "faults.jsonl"),
-                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            os.write(fd, (line + "\n").encode())
-        finally:
-            os.close(fd)
-    except OSError:
+        state.append_line(state.JobDir(job, root=Path(home)).faults_file, line)
+    except (OSError, state.StateError):
         pass
 
 
-class Armed:
-    def __init__(self, tw: Any, faults: list[FaultSpec]):
-        self.tw = tw
+class Armed(FaultHooks):
+    """The faults armed in one rank; fired at the fault points the rank calls."""
+
+    def __init__(self, faults: list[FaultSpec]):
         self.faults = faults
         self.fired: set[int] = set()
 
-    def _due(self, i: int, f: FaultSpec, persistent: bool = False) -> bool:
-        # tw.current_step is the last completed step; the step running now is +1.
-        running = self.tw.current_step + 1
-        if persistent:
-            return running >= f.step
-        return i not in self.fired and running >= f.step
+    @staticmethod
+    def _running(tw: Any) -> int:
+        return tw.current_step + 1  # current_step is the last completed step
 
-    def fault_point(self, where: str) -> None:
+    def _due(self, tw: Any, i: int, f: FaultSpec, persistent: bool = False) -> bool:
+        if persistent:
+            return self._running(tw) >= f.step
+        return i not in self.fired and self._running(tw) >= f.step
+
+    def fault_point(self, tw: Any, where: str) -> None:
         for i, f in enumerate(self.faults):
             if f.kind == "crash":
                 point = f.params.get("at", "forward")
@@ -71,53 +71,55 @@ class Armed:
             if point != where:
                 continue
             if f.kind == "straggler":
-                if self._due(i, f, persistent=True):
+                if self._due(tw, i, f, persistent=True):
                     if i not in self.fired:
                         self.fired.add(i)
-                        mark_fired(f, self.tw.rank, self.tw.current_step + 1)
+                        mark_fired(f, tw.rank, self._running(tw))
                     delay = float(f.params.get("delay", 0.5))
-                    with self.tw.phase("compute"):
+                    with tw.phase("compute"):
                         time.sleep(delay)
                 continue
-            if not self._due(i, f):
+            if not self._due(tw, i, f):
                 continue
             self.fired.add(i)
-            self.tw.sample_now()
-            mark_fired(f, self.tw.rank, self.tw.current_step + 1)
-            _ACTIONS[(f.kind, f.params.get("where"))](self.tw, f)
+            tw.sample_now()
+            mark_fired(f, tw.rank, self._running(tw))
+            _ACTIONS[(f.kind, f.params.get("where"))](tw, f)
 
     def wants(self, kind: str, where: str | None = None) -> bool:
-        """True when a fault of this kind (and hang location) is armed here."""
         return any(f.kind == kind and (where is None or f.params.get("where") == where) for f in self.faults)
 
     def unfired(self) -> list[FaultSpec]:
         return [f for i, f in enumerate(self.faults) if i not in self.fired]
 
-    def skip_collective(self) -> bool:
+    def skip_collective(self, tw: Any) -> bool:
         for i, f in enumerate(self.faults):
-            if f.kind == "hang" and f.params.get("where") == "collective_skip" and self._due(i, f):
+            if f.kind == "hang" and f.params.get("where") == "collective_skip" and self._due(tw, i, f):
                 self.fired.add(i)
-                mark_fired(f, self.tw.rank, self.tw.current_step + 1)
+                mark_fired(f, tw.rank, self._running(tw))
                 return True
         return False
 
-    def perturb_loss(self, loss: Any) -> Any:
+    def perturb_loss(self, tw: Any, loss: Any) -> Any:
         for i, f in enumerate(self.faults):
-            if f.kind in ("nan", "spike") and self._due(i, f):
+            if f.kind in ("nan", "spike") and self._due(tw, i, f):
                 self.fired.add(i)
-                mark_fired(f, self.tw.rank, self.tw.current_step + 1)
+                mark_fired(f, tw.rank, self._running(tw))
                 if f.kind == "nan":
                     return loss * float("nan")
                 return loss * float(f.params.get("factor", 50.0))
         return loss
 
 
-def arm(tw: Any, faults: list[FaultSpec]) -> Armed:
-    armed = Armed(tw, faults)
-    tw.fault_point = armed.fault_point
-    tw.skip_collective = armed.skip_collective
-    tw.perturb_loss = armed.perturb_loss
-    return armed
+def armed_faults(encoded: str | None, rank: int) -> FaultHooks:
+    """The hooks for this rank from TRAINWATCH_INJECT: its faults, or none.
+    Hardware faults (xid, ecc) are the sidecar's, not the rank's."""
+    try:
+        faults = [f for f in decode(encoded) if f.rank == rank and f.kind not in HARDWARE_KINDS]
+    except (ValueError, TypeError) as e:
+        print(f"[trainwatch] rank {rank}: ignoring {env.INJECT} ({e})", flush=True)
+        return NO_FAULTS
+    return Armed(faults) if faults else NO_FAULTS
 
 
 # ---- the faults -------------------------------------------------------------------
@@ -180,9 +182,7 @@ def hang_checkpoint(tw: Any, f: FaultSpec) -> None:
 
 
 def crash(tw: Any, f: FaultSpec) -> None:
-    name = str(f.params.get("signal", "KILL")).upper()
-    sig = getattr(signal, name if name.startswith("SIG") else f"SIG{name}", signal.SIGKILL)
-    os.kill(os.getpid(), sig)
+    os.kill(os.getpid(), signal_number(str(f.params.get("signal", "KILL"))))
 
 
 def _deadline(f: FaultSpec) -> float:

@@ -8,7 +8,8 @@ watchdog sees a real fault, not a simulated one.
 from __future__ import annotations
 
 import json
-import os
+import math
+import signal
 from dataclasses import asdict, dataclass, field
 
 KINDS: dict[str, set[str]] = {
@@ -22,6 +23,19 @@ KINDS: dict[str, set[str]] = {
 }
 HANG_WHERE = ("collective_skip", "gc", "dataloader", "checkpoint", "compute")
 CRASH_AT = ("forward", "emergency_write")
+HARDWARE_KINDS = frozenset({"xid", "ecc"})
+"""Faults the sidecar injects (a fake NVML, kernel-log lines), not the ranks."""
+
+
+def signal_number(name: str) -> int:
+    """'KILL', 'SIGKILL', 'kill' or '9' as a signal number; ValueError otherwise."""
+    text = name.strip().upper()
+    if text.isdigit():
+        return signal.Signals(int(text)).value
+    try:
+        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"].value
+    except KeyError:
+        raise ValueError(name) from None
 
 
 class InjectError(ValueError):
@@ -56,6 +70,8 @@ def parse(spec: str) -> FaultSpec:
                 setattr(fault, key, int(value))
             except ValueError:
                 raise InjectError(f"--inject {kind}: {key} must be an integer, got {value!r}") from None
+            if getattr(fault, key) < (0 if key == "rank" else 1):
+                raise InjectError(f"--inject {kind}: {key} must be {'>= 0' if key == 'rank' else '>= 1'}, got {value}")
         else:
             fault.params[key] = value
     if kind == "hang":
@@ -64,12 +80,20 @@ def parse(spec: str) -> FaultSpec:
             raise InjectError(f"--inject hang: unknown where={where!r}; valid: {', '.join(HANG_WHERE)}")
     if kind == "crash" and fault.params.setdefault("at", "forward") not in CRASH_AT:
         raise InjectError(f"--inject crash: unknown at={fault.params['at']!r}; valid: {', '.join(CRASH_AT)}")
+    if kind == "crash" and "signal" in fault.params:
+        try:
+            signal_number(str(fault.params["signal"]))
+        except ValueError:
+            raise InjectError(f"--inject crash: unknown signal {fault.params['signal']!r}; "
+                              "use a name like KILL, SEGV, ABRT, TERM or a number") from None
     for key in ("delay", "seconds", "factor"):
         if key in fault.params:
             try:
                 fault.params[key] = float(fault.params[key])
             except ValueError:
                 raise InjectError(f"--inject {kind}: {key} must be a number, got {fault.params[key]!r}") from None
+            if not math.isfinite(fault.params[key]) or fault.params[key] < 0:
+                raise InjectError(f"--inject {kind}: {key} must be a finite number >= 0, got {fault.params[key]}")
     if "code" in fault.params:
         try:
             fault.params["code"] = int(fault.params["code"])
@@ -78,24 +102,23 @@ def parse(spec: str) -> FaultSpec:
     return fault
 
 
+def check_ranks(faults: list[FaultSpec], world_size: int | None) -> None:
+    """A fault aimed at a rank the job does not have would silently never fire."""
+    for f in faults:
+        if world_size is not None and f.rank >= world_size:
+            raise InjectError(f"--inject {f.kind}: rank={f.rank} but the job has {world_size} rank(s) "
+                              f"(0..{world_size - 1})")
+
+
 def encode(faults: list[FaultSpec]) -> str:
     return json.dumps([f.to_json() for f in faults])
 
 
 def decode(text: str | None) -> list[FaultSpec]:
+    """The launcher's encoding back into specs; ValueError/TypeError on anything else."""
     if not text:
         return []
-    return [FaultSpec(**d) for d in json.loads(text)]
-
-
-def install(tw) -> None:
-    """Arm this rank's faults (from TRAINWATCH_INJECT) on its telemetry handle."""
-    faults = [f for f in decode(os.environ.get("TRAINWATCH_INJECT")) if f.rank == tw.rank]
-    if not faults:
-        return
-    # Faults fire on the first run only: a restarted job must be able to recover.
-    if tw.restart > 0:
-        return
-    from trainwatch.watchdog import faults as _faults
-
-    tw.faults = _faults.arm(tw, faults)
+    items = json.loads(text)
+    if not isinstance(items, list):
+        raise ValueError("not a list of fault specs")
+    return [FaultSpec(**d) for d in items]

@@ -9,53 +9,25 @@ stuck in a collective (gloo and NCCL waits release the GIL).
 
 from __future__ import annotations
 
-import gc
-import json
+import atexit
 import logging
 import math
 import mmap
 import os
 import threading
 import time
-import zlib
 from typing import Any, Callable
 
-from trainwatch import slots
+from trainwatch import env, slots
+from trainwatch.inject.faults import armed_faults
+from trainwatch.inject.hooks import NO_FAULTS, FaultHooks
+from trainwatch.rank import collectives, flightrec
+from trainwatch.rank.slotwriter import SlotWriter
 
 log = logging.getLogger("trainwatch")
 
 SAMPLE_INTERVAL_S = 0.2
 """Seconds between sampler rounds (heartbeat + flight recorder)."""
-
-_COLLECTIVES = (
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_gather_single",  # FSDP2's all-gather (torch >= 2.10)
-    "all_gather_object",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",  # FSDP2's reduce-scatter
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "monitored_barrier",
-    "gather",
-    "gather_object",
-    "scatter",
-    "scatter_object_list",
-)
-# Point-to-point: a rank blocked in one waits on a peer (phase `collective`),
-# but ranks issue different ones by design (pipeline stages), so they are
-# never part of the counts ranks compare.
-_P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
-_ASYNC_P2P = frozenset({"isend", "irecv", "batch_isend_irecv"})
-
 
 class _Anonymous:
     """A private one-slot segment for processes not started by trainwatch launch,
@@ -73,15 +45,15 @@ class _Anonymous:
 class Telemetry:
     """Per-process telemetry handle. Get it with `trainwatch.init()`."""
 
-    def __init__(self, segment: Any, index: int, *, rank: int, world_size: int, restart: int, attached: bool):
+    def __init__(self, segment: Any, index: int, *, rank: int, world_size: int, restart: int, attached: bool,
+                 faults: FaultHooks = NO_FAULTS):
         self.rank = rank
         self.local_rank = index
         self.world_size = world_size
         self.restart = restart
         self.attached = attached
         """True when a trainwatch sidecar reads this slot."""
-        self._segment = segment
-        self._writer = slots.SlotWriter(
+        self._writer = SlotWriter(
             segment, index, pid=os.getpid(), rank=rank, world_size=world_size, restart=restart
         )
         now = time.monotonic()
@@ -110,10 +82,10 @@ class Telemetry:
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
         self._sample_lock = threading.Lock()
-        self._fr = FlightRecorderReader()
+        self._fr = flightrec.FlightRecorderReader()
         self._hooks: list[Callable[[int], None]] = []
-        self.faults: Any = None
-        """The faults `--inject` armed in this rank, if any."""
+        self.faults = faults
+        """Where injected faults happen in this rank (`--inject`); a no-op by default."""
         self._emergency: Any = None
         self._scopes: dict[str, _PhaseScope] = {}
         self._words = segment.buf.cast("Q")
@@ -242,7 +214,7 @@ class Telemetry:
         self._state_refs = (model, optimizer)
         self._state_fn = state_fn
         if checkpoint_dir and self.attached and self._emergency is None:
-            from trainwatch.trainer.emergency import EmergencyCheckpointer
+            from trainwatch.rank.emergency import EmergencyCheckpointer
 
             self._emergency = EmergencyCheckpointer(self, checkpoint_dir, self.state_dict, keep=keep)
             self._hooks.append(self._emergency.stage)
@@ -270,19 +242,42 @@ class Telemetry:
     def fault_point(self, where: str) -> None:
         """Called by the trainer at 'data', 'forward', 'checkpoint' and 'step_end';
         an armed fault (hang, crash, delay) really happens here, in this rank."""
+        self.faults.fault_point(self, where)
 
     def skip_collective(self) -> bool:
         """True when an injected fault wants this rank to skip its next all_reduce."""
-        return False
+        return self.faults.skip_collective(self)
 
     def perturb_loss(self, loss: Any) -> Any:
         """Return the loss, or a NaN/spiked copy when such a fault is armed."""
-        return loss
+        return self.faults.perturb_loss(self, loss)
 
-    def add_step_hook(self, hook: Callable[[int], None]) -> None:
-        """Call hook(step) after every recorded step (fault injection, staging)."""
-        self._hooks.append(hook)
+    # ---- waits on peers (collective hooks) --------------------------------------
 
+    def begin_wait(self) -> tuple | None:
+        """Enter the `collective` phase for a blocking call; None if already in it."""
+        if self._phase == _COLLECTIVE:
+            return None
+        token = (self._phase, self._phase_name, _monotonic())
+        self._phase, self._phase_name, self._phase_since = _COLLECTIVE, "collective", token[2]
+        self._writer.write_phase(_COLLECTIVE, self._source, token[2], self.py_collectives)
+        return token
+
+    def end_wait(self, token: tuple | None) -> None:
+        if token is None:
+            return
+        prev, prev_name, start = token
+        end = _monotonic()
+        self._wait_s += end - start
+        self._phase, self._phase_name, self._phase_since = prev, prev_name, end
+        self._writer.write_phase(prev, self._source, end, self.py_collectives)
+
+    def publish_phase(self) -> None:
+        """Publish the current phase again (the collective count moved with it)."""
+        self._writer.write_phase(self._phase, self._source, self._phase_since, self.py_collectives)
+
+    def forget_group(self) -> None:
+        self._seq_fn = None
     # ---- background sampler ---------------------------------------------------
 
     def start_sampler(self, interval_s: float = SAMPLE_INTERVAL_S) -> None:
@@ -305,12 +300,12 @@ class Telemetry:
         keeps region B single-writer; it is never taken on the step path."""
         with self._sample_lock:
             # Refreshed every round: the default group may be destroyed and re-created.
-            self._seq_fn = _default_group_seq()
+            self._seq_fn = flightrec.default_group_seq()
             groups = self._fr.sample()
             if groups is None:
                 groups = [slots.CollectiveGroup(0, self.py_collectives, self.py_collectives, self.last_py_op)]
             self._writer.write_sampler(time.monotonic(), self._fr.available, self._step, groups, time.process_time(),
-                                       _io_bytes())
+                                       flightrec.io_bytes())
 
     def close(self) -> None:
         if self._stop.is_set():
@@ -319,20 +314,6 @@ class Telemetry:
         if self._sampler is not None:
             self._sampler.join(timeout=2)
         self._set_phase(slots.PHASE_CODES["done"], "done", time.monotonic())
-
-
-def _io_bytes() -> int:
-    """Bytes this process read and wrote through syscalls (/proc/self/io rchar +
-    wchar): a checkpoint being written moves it, a write blocked forever does not."""
-    try:
-        with open("/proc/self/io", "rb") as f:
-            total = 0
-            for line in f:
-                if line.startswith((b"rchar:", b"wchar:")):
-                    total += int(line.split()[1])
-            return total
-    except (OSError, ValueError, IndexError):
-        return -1
 
 
 class _PhaseScope:
@@ -366,85 +347,7 @@ class _PhaseScope:
 _monotonic = time.monotonic
 _INIT = slots.PHASE_CODES["init"]
 _COMPUTE = slots.PHASE_CODES["compute"]
-
-
-class FlightRecorderReader:
-    """Reads per-group collective sequence numbers from PyTorch's flight recorder.
-
-    `_dump_fr_trace_json` is private: guard by presence and shape, and fall back
-    to None (the caller then publishes its own wrapper counts)."""
-
-    def __init__(self) -> None:
-        self.available = False
-        self._fn = None
-        self._names: dict[int, int] = {}
-        """Local pg_id -> stable_group_id, learnt from entries (they roll out of the buffer)."""
-        if not os.environ.get("TORCH_FR_BUFFER_SIZE"):
-            return
-        try:
-            from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
-
-            self._fn = _dump_fr_trace_json
-        except Exception:
-            self._fn = None
-
-    def sample(self) -> list[slots.CollectiveGroup] | None:
-        if self._fn is None:
-            return None
-        try:
-            import torch.distributed as dist
-
-            if not dist.is_available() or not dist.is_initialized():
-                return None
-            data = json.loads(self._fn(includeCollectives=True, onlyActive=False))
-        except Exception:
-            self.available = False
-            return None
-        status = data.get("pg_status") or {}
-        last_ops: dict[int, str] = {}
-        for entry in data.get("entries") or ():
-            try:
-                local = int(entry.get("pg_id", 0))
-                name = (entry.get("process_group") or [""])[0]
-                if name != "":
-                    self._names[local] = stable_group_id(str(name))
-                if not entry.get("is_p2p"):
-                    last_ops[local] = str(entry.get("profiling_name", "")).split(":")[-1]
-            except (TypeError, ValueError, IndexError):
-                continue
-        groups = []
-        for pg, st in status.items():
-            try:
-                local = int(pg)
-                gid = self._names.get(local, 0 if local == 0 else None)
-                if gid is None:
-                    continue  # no collective seen on it yet: nothing to compare
-                groups.append(
-                    slots.CollectiveGroup(
-                        gid,
-                        int(st.get("last_enqueued_collective", -1)),
-                        int(st.get("last_completed_collective", -1)),
-                        last_ops.get(local, ""),
-                    )
-                )
-            except (TypeError, ValueError):
-                continue
-        groups.sort(key=lambda g: g.pg)
-        self.available = True
-        return groups
-
-
-def stable_group_id(name: str) -> int:
-    """A process group's id that means the same group on every rank.
-
-    The flight recorder's pg_id is local: a rank outside a subgroup never
-    creates it, so the same number names different groups on different ranks.
-    The group's name is global (torch numbers new groups in creation order on
-    every rank, or hashes their ranks): small numeric names keep their number
-    (the default group is 0), other names a 30-bit hash above them."""
-    if name.isdigit() and int(name) < 1 << 30:
-        return int(name)
-    return (zlib.crc32(name.encode()) & 0x3FFFFFFF) | 1 << 30
+_COLLECTIVE = slots.PHASE_CODES["collective"]
 
 
 # ---- process-wide handle -------------------------------------------------------
@@ -453,7 +356,7 @@ _instance: Telemetry | None = None
 _instance_lock = threading.Lock()
 
 
-def init(*, zero_code: bool = False) -> Telemetry:
+def init() -> Telemetry:
     """Return this process's telemetry handle, attaching to the job's slot segment
     when started by `trainwatch launch` (TRAINWATCH_SLOTS is set)."""
     global _instance
@@ -463,8 +366,8 @@ def init(*, zero_code: bool = False) -> Telemetry:
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        path = os.environ.get("TRAINWATCH_SLOTS")
+        restart = int(os.environ.get(env.RESTART_COUNT, "0"))
+        path = os.environ.get(env.SLOTS)
         segment: Any = None
         if path:
             try:
@@ -478,160 +381,14 @@ def init(*, zero_code: bool = False) -> Telemetry:
         if segment is None:
             tw = Telemetry(_Anonymous(), 0, rank=rank, world_size=world, restart=restart, attached=False)
         else:
-            tw = Telemetry(segment, local_rank, rank=rank, world_size=world, restart=restart, attached=True)
-            _count_collectives(tw)
+            # Faults fire on the first run only: a restarted job must be able to recover.
+            faults = armed_faults(os.environ.get(env.INJECT), rank) if restart == 0 else NO_FAULTS
+            tw = Telemetry(segment, local_rank, rank=rank, world_size=world, restart=restart, attached=True,
+                           faults=faults)
+            collectives.install(tw)
             tw.start_sampler()
-            from trainwatch.watchdog import inject
-
-            inject.install(tw)
-            import atexit
-
             atexit.register(tw.close)
         _instance = tw
         return tw
 
 
-def _default_group_seq() -> Callable[[], int] | None:
-    """The default process group's sequence-number getter (a sub-microsecond
-    read that counts every collective on the group, DDP's and FSDP's included),
-    or None before the group exists or where torch does not offer it."""
-    try:
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            return None
-        fn = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group
-        fn()
-        return fn
-    except Exception:
-        return None
-
-
-def _group_arg_index(fn: Callable) -> int | None:
-    import inspect
-
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-    return params.index("group") if "group" in params else None
-
-
-def _wrap_work_wait(tw: Telemetry, dist: Any) -> None:
-    """`work.wait()` on an async collective or point-to-point op (isend/irecv,
-    FSDP's all-gathers) blocks on peers just like a blocking call: mark it."""
-    work = getattr(getattr(dist, "distributed_c10d", None), "Work", None)
-    original = getattr(work, "wait", None)
-    if original is None:
-        return
-    collective = slots.PHASE_CODES["collective"]
-
-    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if tw._phase == collective:
-            return original(self, *args, **kwargs)  # already marked by the blocking call around it
-        prev, prev_name, start = tw._phase, tw._phase_name, _monotonic()
-        tw._phase, tw._phase_name, tw._phase_since = collective, "collective", start
-        tw._writer.write_phase(collective, tw._source, start, tw.py_collectives)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            end = _monotonic()
-            tw._wait_s += end - start
-            tw._phase, tw._phase_name, tw._phase_since = prev, prev_name, end
-            tw._writer.write_phase(prev, tw._source, end, tw.py_collectives)
-
-    try:
-        work.wait = wait
-    except (TypeError, AttributeError):
-        pass  # a build whose Work type is closed: blocking calls are still marked
-
-
-def _count_collectives(tw: Telemetry) -> None:
-    """Wrap torch.distributed's Python collectives: count them (the fallback
-    when the flight recorder is unavailable, and the end-of-step count ranks
-    compare), and mark the rank as waiting in a collective while a blocking
-    one runs, so a peer that never joins it is the one named."""
-    try:
-        import torch.distributed as dist
-    except Exception:
-        return
-    if getattr(dist, "_trainwatch_wrapped", False):
-        return
-    spans_world: dict[int, bool] = {}
-    collective = slots.PHASE_CODES["collective"]
-
-    def is_world(group: Any) -> bool:
-        # Subgroup collectives (pipeline stages, tensor-parallel groups) differ
-        # between ranks by design; only world-spanning groups must agree.
-        if group is None:
-            return True
-        known = spans_world.get(id(group))
-        if known is None:
-            try:
-                known = dist.get_world_size(group) == dist.get_world_size()
-            except Exception:
-                known = False
-            spans_world[id(group)] = known
-        return known
-
-    def wrap(name: str, fn: Callable) -> Callable:
-        skippable = name == "all_reduce"
-        p2p = name in _P2P
-        always_async = name in _ASYNC_P2P
-        at = _group_arg_index(fn)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if skippable and tw.skip_collective():
-                return None  # an injected desync: this rank silently skips one all_reduce
-            tw.py_collectives += 1
-            if not p2p:
-                group = kwargs.get("group") if "group" in kwargs or at is None else (
-                    args[at] if len(args) > at else None)
-                if is_world(group):
-                    tw.world_collectives += 1
-            tw.last_py_op = name
-            if always_async or kwargs.get("async_op"):
-                tw._writer.write_phase(tw._phase, tw._source, tw._phase_since, tw.py_collectives)
-                return fn(*args, **kwargs)
-            # Published before the call: a rank blocked inside it must show
-            # that it entered one more collective than a peer that skipped it.
-            prev, prev_name, start = tw._phase, tw._phase_name, _monotonic()
-            tw._writer.write_phase(collective, tw._source, start, tw.py_collectives)
-            tw._phase, tw._phase_name, tw._phase_since = collective, "collective", start
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                end = _monotonic()
-                tw._wait_s += end - start
-                tw._phase, tw._phase_name, tw._phase_since = prev, prev_name, end
-                tw._writer.write_phase(prev, tw._source, end, tw.py_collectives)
-
-        counted.__wrapped__ = fn  # type: ignore[attr-defined]
-        counted.__name__ = fn.__name__
-        counted.__doc__ = fn.__doc__
-        return counted
-
-    for name in _COLLECTIVES + _P2P:
-        fn = getattr(dist, name, None)
-        if fn is not None:
-            setattr(dist, name, wrap(name, fn))
-    _wrap_work_wait(tw, dist)
-
-    destroy = dist.destroy_process_group
-
-    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        try:  # last look at the flight recorder before the groups are gone
-            tw.sample_now()
-        except Exception:
-            pass
-        # A DDP module waiting for the cyclic collector may hold the last
-        # reference to its process group; freed after the group is destroyed,
-        # its destructor joins gloo's threads holding the GIL while a worker
-        # needs the GIL to finish: a hang at exit. Free it while the group lives.
-        gc.collect()
-        tw._seq_fn = None  # the group's counter goes with it
-        spans_world.clear()
-        return destroy(*args, **kwargs)
-
-    dist.destroy_process_group = destroy_process_group
-    dist._trainwatch_wrapped = True  # type: ignore[attr-defined]

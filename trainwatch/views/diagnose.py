@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import psutil
 
 from trainwatch import rankrow, slots, state
+from trainwatch.capture import capture_ranks
 from trainwatch.diagnostics import verdict as verdict_mod
+from trainwatch.usage import Parser, fail
 
 
 STARTUP_GRACE_S = 120.0
@@ -26,44 +27,33 @@ stops saying `starting` and judges their stacks like any other."""
 
 
 def job_is_live(job: dict) -> bool:
-    if job.get("status") not in ("running", "starting", "restarting"):
-        return False
-    pid = job.get("launcher_pid")
-    return bool(pid) and psutil.pid_exists(pid)
+    return state.live_status(job) in ("running", "starting", "restarting")
 
 
-def read_ranks(job: dict, job_dir: Path) -> list[dict]:
+def read_ranks(job: dict, job_dir: state.JobDir) -> list[dict]:
     """Per-rank telemetry: from the live segment when the job runs, else the last snapshot."""
     rows: list[dict] = []
     path = job.get("slots")
-    if job_is_live(job) and path:
+    if job_is_live(job) and isinstance(path, str):
         try:
             seg = slots.Segment(path)
         except (OSError, ValueError):
             seg = None
         if seg is not None:
             try:
-                rows = rankrow.rows_json(rankrow.decode(seg.read_table(), time.monotonic(), job.get("node") or ""))
+                rows = rankrow.rows_json(rankrow.decode(seg.read_table(), time.monotonic(), str(job.get("node") or "")))
             finally:
                 seg.close()
     if not rows:
-        snap = state.read_json(job_dir / "telemetry.json") or {}
-        rows = [dict(r) for r in snap.get("ranks", []) if isinstance(r, dict) and isinstance(r.get("rank"), int)]
-    for r in rows:
-        g0 = r.get("groups", [None])[0] if r.get("groups") else None
-        r["collectives"] = {
-            "enqueued": g0["enqueued"] if g0 else None,
-            "completed": g0["completed"] if g0 else None,
-            "last_op": (g0["last_op"] or None) if g0 else None,
-        }
+        rows = rankrow.rows_from_json(job_dir.telemetry().get("ranks"))
     rows.sort(key=lambda r: r["rank"])
     return rows
 
 
-def launch_marker(job_name: str) -> dict | None:
-    """The marker of a launcher that is still starting (see state.announce_launch)."""
-    rec = state.read_json(state.job_dir(job_name) / "launch.json")
-    if not isinstance(rec, dict):
+def launch_marker(job_dir: state.JobDir) -> dict | None:
+    """The marker of a launcher that is still starting (see JobDir.announce_launch)."""
+    rec = state.read_json(job_dir.launch_file)
+    if rec is None:
         return None
     pid = rec.get("launcher_pid")
     return rec if isinstance(pid, int) and pid > 0 and psutil.pid_exists(pid) else None
@@ -76,19 +66,20 @@ def phase_of_job(job: dict, ranks: list[dict], live: bool) -> str:
         return job.get("status", "unknown")
     if job.get("status") == "restarting":
         return "restarting"
-    expected = len(job.get("ranks") or []) or int(job.get("nproc_per_node") or 0)
+    expected = len(job.get("ranks") or []) if isinstance(job.get("ranks"), list) else 0
+    expected = expected or (job.get("nproc_per_node") if isinstance(job.get("nproc_per_node"), int) else 0)
     if ranks and all(r.get("phase") == "done" for r in ranks):
         return "finished"
-    started = time.time() - float(job.get("workers_started_time") or job.get("start_time") or time.time())
+    started = time.time() - (_num(job.get("workers_started_time")) or _num(job.get("start_time")) or time.time())
     young = started < STARTUP_GRACE_S
     if young and (len(ranks) < expected or not ranks or all(
             (r.get("step") or 0) == 0 and not r.get("batches") for r in ranks)):
         # New workers after a restart are still the restart: its cause is the verdict.
-        return "restarting" if int(job.get("restarts") or 0) > 0 else "starting"
+        return "restarting" if _num(job.get("restarts")) > 0 else "starting"
     return "running"
 
 
-def hardware_findings(incidents: list[dict], job_dir: Path) -> list[dict]:
+def hardware_findings(incidents: list[dict]) -> list[dict]:
     out = []
     for i in incidents:
         if i.get("kind") in ("xid", "ecc"):
@@ -99,7 +90,7 @@ def hardware_findings(incidents: list[dict], job_dir: Path) -> list[dict]:
                     "xid": ev.get("xid"),
                     "meaning": ev.get("meaning") or i.get("summary"),
                     "severity": i.get("severity"),
-                    "rank": (i.get("culprit_ranks") or [None])[0],
+                    "rank": next(iter(i.get("culprit_ranks") or []), None),
                     "action": ev.get("action"),
                     "kind": i.get("kind"),
                     "evidence": ev.get("line"),
@@ -109,60 +100,57 @@ def hardware_findings(incidents: list[dict], job_dir: Path) -> list[dict]:
 
 
 def _starting_report(job_name: str, marker: dict) -> dict:
-    age = max(0.0, time.time() - float(marker.get("start_time") or time.time()))
+    age = max(0.0, time.time() - (_num(marker.get("start_time")) or time.time()))
     v = verdict_mod.Verdict("starting", [], f"the launcher (pid {marker['launcher_pid']}) started {age:.0f}s ago "
                             "and is setting up; ranks are not running yet", "starting", 0.9, [])
     return _report(job_name, "starting", v, [], [], [], [])
 
 
 def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capture: bool = True) -> dict:
-    from trainwatch.diagnostics.capture import capture_all, capture_dir
-    from trainwatch.diagnostics.stacks import group_stacks
-
-    job_dir = state.job_dir(job_name)
-    job = state.read_job(job_name)
-    marker = launch_marker(job_name)
-    if marker is not None and (job is None or float(job.get("start_time") or 0) < float(marker.get("start_time") or 0)):
+    job_dir = state.JobDir(job_name)
+    job = job_dir.read_job()
+    marker = launch_marker(job_dir)
+    if marker is not None and (job is None or _num(job.get("start_time")) < _num(marker.get("start_time"))):
         return _starting_report(job_name, marker)
     if job is None:
         known = [j.get("job") for j in state.list_jobs()]
         raise state.StateError(
             f"unknown job {job_name!r}; known jobs: {', '.join(known) if known else 'none'} (see `trainwatch jobs`)"
         )
-    incidents = list(state.read_events(job_name))
+    incidents = job_dir.incidents()
     live = job_is_live(job)
     ranks = read_ranks(job, job_dir)
     status = phase_of_job(job, ranks, live)
     groups: list = []
-    capture_info: dict[int, Any] = {}
     # Start-up stacks (imports, rendezvous) and finished ranks say nothing about a hang.
     if live and capture and ranks and status == "running":
-        pids = {r["rank"]: r["pid"] for r in ranks if r.get("pid")}
         per_rank = max(1.0, min(5.0, timeout_s - 1.0))
-        caps = capture_all(pids, native=native, timeout_s=per_rank, out_dir=capture_dir(job_dir, "diagnose"), job=job_name)
-        capture_info = caps
-        groups = group_stacks({rank: c.stack for rank, c in caps.items()})
+        groups, _where, _failed = capture_ranks(ranks, job=job_dir, label="diagnose", timeout_s=per_rank,
+                                                native=native)
     for r in ranks:
-        c = capture_info.get(r["rank"])
-        if c is not None:
-            r["state"] = c.process_state or "gone"
-            r["capture_error"] = c.stack.error
-        elif live:
+        if "state" in r:
+            continue
+        if live:
             try:
                 r["state"] = psutil.Process(r["pid"]).status()
-            except (psutil.Error, KeyError, TypeError):
+            except (psutil.Error, KeyError, TypeError, ValueError):
                 r["state"] = "gone"
         else:
             r["state"] = "exited"
-    hardware = hardware_findings(incidents, job_dir)
+    hardware = hardware_findings(incidents)
     v = _verdict(job, status, live, ranks, groups, incidents, hardware)
     return _report(job_name, "running" if status == "running" else status, v, ranks, groups, hardware, incidents)
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def _verdict(job, status, live, ranks, groups, incidents, hardware) -> verdict_mod.Verdict:
     if status == "starting":
         attached = len(ranks)
-        expected = len(job.get("ranks") or []) or job.get("nproc_per_node") or attached
+        expected = len(job["ranks"]) if isinstance(job.get("ranks"), list) and job["ranks"] else (
+            job.get("nproc_per_node") or attached)
         return verdict_mod.Verdict(
             "starting", [], f"ranks are starting ({attached} of {expected} attached, none past its first step): "
             "importing, forming the process group or loading a checkpoint; no verdict on start-up stacks",
@@ -291,14 +279,21 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(job: str, *, as_json: bool = False, native: bool = False, timeout_s: float = 8.0, out=None) -> int:
+def main(argv: list[str], out=None) -> int:
+    p = Parser(prog="trainwatch diagnose", usage_hint="usage: trainwatch diagnose JOB [--json]")
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--native", action="store_true", help="include native frames (slower)")
+    p.add_argument("--timeout", type=float, default=8.0, help="overall time budget in seconds")
+    args = p.parse_args(argv)
+    if not 1.0 <= args.timeout <= 3600:
+        return fail(f"--timeout must be between 1 and 3600 seconds; got {args.timeout}")
     out = out or sys.stdout
+    as_json = args.json
     try:
-        state.check_job_name(job)
-        report = collect(job, native=native, timeout_s=timeout_s)
+        report = collect(args.job, native=args.native, timeout_s=args.timeout)
     except state.StateError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     if as_json:
         print(json.dumps(report, indent=2, default=str), file=out)
     else:

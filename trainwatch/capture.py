@@ -19,7 +19,10 @@ from pathlib import Path
 
 import psutil
 
-from trainwatch.diagnostics.stacks import STOPPED_ERROR, ProcessStack, parse_pyspy_json
+from trainwatch import env, state
+from trainwatch.diagnostics.stack_groups import STOPPED_ERROR, StackGroup, group_stacks
+from trainwatch.diagnostics.stack_parsers import parse_pyspy_json
+from trainwatch.diagnostics.stacks import ProcessStack
 
 PER_RANK_TIMEOUT_S = 5.0
 """Hard bound for one py-spy dump; a healthy dump takes ~20 ms."""
@@ -49,7 +52,7 @@ def py_spy_binary() -> str | None:
 def belongs_to_job(pid: int, job: str) -> bool:
     """Only sample processes this job started: the rank's environment names the job."""
     try:
-        return psutil.Process(pid).environ().get("TRAINWATCH_JOB") == job
+        return psutil.Process(pid).environ().get(env.JOB) == job
     except (psutil.Error, OSError):
         return False
 
@@ -125,6 +128,22 @@ def capture_all(pids: dict[int, int], *, native: bool = False, timeout_s: float 
             for rank, pid in pids.items()
         }
         return {rank: f.result() for rank, f in futures.items()}
+
+
+def capture_ranks(rows: list[dict], *, job: state.JobDir, label: str, timeout_s: float = PER_RANK_TIMEOUT_S,
+                  native: bool = False) -> tuple[list[StackGroup], Path, dict[str, str]]:
+    """Capture every rank of `rows` (diagnose's per-rank dicts) in parallel,
+    note each rank's process state and capture error in its row, and group the
+    stacks: (groups, where the raw dumps went, {rank: why not sampled})."""
+    out_dir = capture_dir(job.path, label)
+    pids = {int(r["rank"]): int(r["pid"]) for r in rows if r.get("pid")}
+    caps = capture_all(pids, native=native, timeout_s=timeout_s, out_dir=out_dir, job=job.job)
+    for r in rows:
+        c = caps.get(r["rank"])
+        r["state"] = (c.process_state or "gone") if c else None
+        r["capture_error"] = c.stack.error if c else None
+    groups = group_stacks({rank: c.stack for rank, c in caps.items()})
+    return groups, out_dir, {str(k): c.stack.error for k, c in caps.items() if c.stack.error}
 
 
 KEEP_CAPTURES = {"diagnose": 5}

@@ -1,0 +1,362 @@
+"""Log rules: the one table of error messages trainwatch reads out of log text.
+
+Each `LineRule` is one message form that PyTorch, NCCL, CUDA, gloo or
+torchelastic prints: the regex that finds it, the error category it proves
+(see findings.ERROR_CATEGORIES) and a reader that turns the match into facts
+(SeqNum, op, timeout, exit code, ...). logparse.py runs the table over every
+line of a log.
+
+Everything here is pure. A fact the message does not state stays out of the
+facts; nothing is inferred from defaults or typical values.
+"""
+
+from __future__ import annotations
+
+import re
+import signal as _signal
+from dataclasses import dataclass
+from typing import Callable
+
+# NCCL's one-line descriptions (ncclGetErrorString) -> the ncclResult_t name.
+NCCL_DESCRIPTIONS = {
+    "unhandled system error": "ncclSystemError",
+    "internal error": "ncclInternalError",
+    "remote process exited or there was a network error": "ncclRemoteError",
+    "unhandled cuda error": "ncclUnhandledCudaError",
+    "invalid usage": "ncclInvalidUsage",
+    "invalid argument": "ncclInvalidArgument",
+}
+
+# strsignal() texts that Python prints for a killed worker -> signal names.
+SIGNAL_TEXTS = {
+    "killed": "SIGKILL",
+    "terminated": "SIGTERM",
+    "aborted": "SIGABRT",
+    "segmentation fault": "SIGSEGV",
+    "bus error": "SIGBUS",
+    "interrupt": "SIGINT",
+    "floating point exception": "SIGFPE",
+    "illegal instruction": "SIGILL",
+}
+
+_UNITS = {"b": 1, "bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def _words(phrase: str) -> str:
+    """Regex for a phrase whose spaces may be lost or doubled.
+
+    Terminals and issue trackers wrap long messages; joining the pieces back
+    drops or doubles the space at the break, so every word gap is optional.
+    """
+    return r"\s*".join(re.escape(word) for word in phrase.split())
+
+
+_SIZE = r"[\d.]+\s*(?:[KMGT]i?B|bytes|B)"
+_INT = r"-?\d+"
+_WORK = r"WorkNCCL\s*\((?P<body>(?:[^()]|\(\s*ms\s*\))*)\)"
+# "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.18.1"
+_NCCL_DESC = r"(?P<desc>[^,(]+?)\s*(?=[,(]|$)(?:\([^)]*\))?(?:\s*,\s*NCCL\s*version\s*(?P<ver>[\w.+-]+))?"
+
+
+@dataclass(frozen=True, slots=True)
+class LineRule:
+    """One message form: the regex that finds it and how to read its facts."""
+
+    name: str
+    """Short id naming the message form in the table."""
+    needle: str
+    """Lower-case word every instance contains; without it the regex is not tried."""
+    category: str
+    """Error category the message proves."""
+    pattern: re.Pattern[str]
+    """Compiled regex; its named groups carry the facts."""
+    read: Callable[[re.Match[str]], dict]
+    """Match -> facts (finding fields and extra keys)."""
+    role: str = "finding"
+    """"finding"; "support" (only adds facts to a finding); "hint" (dropped beside a specific CUDA finding)."""
+    family: str = ""
+    """Rules of one family are exclusive on a line: the first listed wins."""
+
+
+def _kv(body: str) -> dict[str, str]:
+    """Key=value pairs of a WorkNCCL(...) body; Timeout(ms)=N is read as Timeout."""
+    return {k: v for k, v in re.findall(r"(\w+)\s*(?:\(\s*ms\s*\))?\s*=\s*(-?\w+)", body)}
+
+
+def _int(value: str | None) -> int | None:
+    """int() that passes None through."""
+    return None if value is None else int(value)
+
+
+def _work(m: re.Match[str]) -> dict:
+    """Facts of a WorkNCCL(SeqNum=..., OpType=..., Timeout(ms)=...) record."""
+    kv = _kv(m.group("body"))
+    facts = {
+        "seq": _int(kv.get("SeqNum")),
+        "op": kv.get("OpType"),
+        "timeout_ms": _int(kv.get("Timeout")),
+        "transport": "nccl",
+    }
+    # NumelIn/NumelOut exist since torch 2.2; a mismatch between ranks is a
+    # classic desync sign, so keep them when present.
+    if "NumelIn" in kv:
+        facts["numel_in"] = int(kv["NumelIn"])
+    if "NumelOut" in kv:
+        facts["numel_out"] = int(kv["NumelOut"])
+    return facts
+
+
+def _progress(m: re.Match[str]) -> dict:
+    """Facts of a "... at work: N, last enqueued ...: E, last completed ...: C" line."""
+    facts = {
+        "last_enqueued": int(m.group("enq")),
+        "last_completed": int(m.group("comp")),
+        "transport": "nccl",
+    }
+    if m.groupdict().get("seq") is not None:
+        facts["seq"] = int(m.group("seq"))
+    return facts
+
+
+def _heartbeat(m: re.Match[str]) -> dict:
+    """Facts of the heartbeat monitor's own time-out line."""
+    pending = m.group("pending")
+    return {} if pending is None else {"pending_work": int(pending)}
+
+
+def _dump_signal(m: re.Match[str]) -> dict:
+    """Facts of "Received a dump signal due to a collective timeout from ..."."""
+    facts: dict = {}
+    if m.group("src") is not None:
+        facts["source_rank"] = int(m.group("src"))
+    elif m.group("local"):
+        facts["source_local"] = True  # resolved to this line's rank later
+    if m.group("enq") is not None:
+        facts["last_enqueued"] = int(m.group("enq"))
+        facts["last_completed"] = int(m.group("comp"))
+    return facts
+
+
+def _stuck(m: re.Match[str]) -> dict:
+    """The heartbeat timeout the watchdog exceeded, in ms."""
+    return {"timeout_ms": int(m.group("secs")) * 1000}
+
+
+def _nccl_line(m: re.Match[str]) -> dict:
+    """Facts of "NCCL error in: FILE:LINE, DESCRIPTION, NCCL version V"."""
+    desc = " ".join(m.group("desc").lower().split())
+    code = next((c for d, c in NCCL_DESCRIPTIONS.items() if desc.startswith(d)), None)
+    facts: dict = {"nccl_code": code}
+    if m.group("ver"):
+        facts["nccl_version"] = m.group("ver").rstrip(".")
+    return facts
+
+
+def _nccl_async(m: re.Match[str]) -> dict:
+    """A collective that raised an async NCCL error: the work record plus the code."""
+    return {**_work(m), **_nccl_line(m)}
+
+
+def _nccl_code(m: re.Match[str]) -> dict:
+    """Facts of an "ncclSystemError: ..." line."""
+    return {"nccl_code": m.group("code")}
+
+
+def _nothing(m: re.Match[str]) -> dict:
+    """A message whose only fact is its category."""
+    return {}
+
+
+def _cuda_message(m: re.Match[str]) -> dict:
+    """The text after "CUDA error:", without the hints torch appends."""
+    message = m.group("msg").strip().rstrip(".").strip()
+    return {"cuda_message": message} if message else {}
+
+
+def to_bytes(size: str) -> int | None:
+    """'2.00 GiB' -> 2147483648; None when the unit is unknown."""
+    m = re.fullmatch(r"([\d.]+)\s*([A-Za-z]+)", size.strip())
+    if not m or m.group(2).lower() not in _UNITS:
+        return None
+    return round(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+_OOM_DETAILS = (
+    re.compile(r"Tried\s*to\s*allocate\s*(?P<requested>" + _SIZE + ")"),
+    # torch >= 2.1: "GPU 0 has a total capacity of 79.15 GiB of which 1.23 GiB is free"
+    # (2.1 spelled it "capacty").
+    re.compile(r"GPU\s*(?P<gpu>\d+)\s*has\s*a\s*total\s*capac(?:i)?ty\s*of\s*(?P<total>" + _SIZE
+               + r")\s*of\s*which\s*(?P<free>" + _SIZE + r")\s*is\s*free"),
+    # torch < 2.1: "(GPU 0; 14.76 GiB total capacity; 8.77 GiB already allocated; 19.75 MiB free; ...)"
+    re.compile(r"\(GPU\s*(?P<gpu>\d+);\s*(?P<total>" + _SIZE + r")\s*total\s*capacity;\s*"
+               r"(?P<allocated>" + _SIZE + r")\s*already\s*allocated;\s*(?P<free>" + _SIZE + r")\s*free"),
+)
+
+
+def _oom(m: re.Match[str]) -> dict:
+    """Requested / total / free bytes and the GPU index of a CUDA OOM message."""
+    facts: dict = {}
+    line = m.string[m.start():]
+    for detail in _OOM_DETAILS:
+        found = detail.search(line)
+        if not found:
+            continue
+        for key, value in found.groupdict().items():
+            if value is None:
+                continue
+            facts["gpu" if key == "gpu" else f"{key}_bytes"] = int(value) if key == "gpu" else to_bytes(value)
+    return facts
+
+
+def _elastic_failed(m: re.Match[str]) -> dict:
+    """Facts of the agent's "failed (exitcode: -9) local_rank: 3 (pid: 1234)" line."""
+    exit_code = int(m.group("exit"))
+    return {
+        "exit_code": exit_code,
+        "signal": signal_name(-exit_code) if exit_code < 0 else None,
+        "local_rank": int(m.group("local")),
+        "pid": int(m.group("pid")),
+    }
+
+
+def _dataloader(m: re.Match[str]) -> dict:
+    """Facts of a "DataLoader worker (pid N) is killed by signal: Killed." line."""
+    pids = [int(p) for p in re.findall(r"\d+", m.group("pids") or "")]
+    facts: dict = {"pids": pids or None}
+    if m.group("sig") is not None:
+        facts["signal"] = SIGNAL_TEXTS.get(m.group("sig").strip().lower())
+    if m.group("exit") is not None:
+        facts["exit_code"] = int(m.group("exit"))
+    return facts
+
+
+def _bus_error(m: re.Match[str]) -> dict:
+    """torch names SIGBUS in a worker when /dev/shm runs out."""
+    return {"signal": "SIGBUS"}
+
+
+def _gloo_timeout(m: re.Match[str]) -> dict:
+    """Facts of gloo's "Timed out waiting 1800000ms for recv operation"."""
+    return {"timeout_ms": int(m.group("ms")), "transport": "gloo"}
+
+
+def _gloo_peer(m: re.Match[str]) -> dict:
+    """Facts of gloo's "Connection closed by peer [host]:port" line."""
+    peer = m.group("peer1") or m.group("peer2")
+    return {"transport": "gloo", "peer": peer}
+
+
+def signal_name(number: int) -> str | None:
+    """9 -> 'SIGKILL'; None for numbers this platform does not know."""
+    try:
+        return _signal.Signals(number).name
+    except ValueError:
+        return None
+
+
+# The one table of message forms. Order matters inside a family only.
+RULES: tuple[LineRule, ...] = (
+    # -- collective timeouts -------------------------------------------------
+    LineRule("nccl-watchdog-timeout", "caught", "collective_timeout", re.compile(
+        r"[Cc]aught\s*collective\s*operation\s*timeout\s*:?\s*" + _WORK), _work),
+    LineRule("nccl-blocking-wait", "blocking", "collective_timeout", re.compile(
+        r"Work\s*" + _WORK + r"\s*" + _words("timed out in blocking wait")), _work),
+    LineRule("nccl-timeout-at-work", "enqueued", "collective_timeout", re.compile(
+        _words("Timeout at NCCL work:") + r"\s*(?P<seq>" + _INT + r"),\s*" + _words("last enqueued NCCL work:")
+        + r"\s*(?P<enq>" + _INT + r"),\s*" + _words("last completed NCCL work:") + r"\s*(?P<comp>" + _INT + ")"),
+        _progress, family="progress"),
+    # "Exception (either an error or timeout)": an error or a timeout, so it
+    # only adds numbers to a timeout finding and never makes one by itself.
+    LineRule("nccl-exception-at-work", "enqueued", "collective_timeout", re.compile(
+        _words("detected by watchdog at work:") + r"\s*(?P<seq>" + _INT + r"),\s*"
+        + _words("last enqueued NCCL work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
+        + _words("last completed NCCL work:") + r"\s*(?P<comp>" + _INT + ")"), _progress, role="support",
+        family="progress"),
+    LineRule("nccl-failure-at-work", "enqueued", "collective_timeout", re.compile(
+        _words("failure detected by watchdog at work sequence id:") + r"\s*(?P<seq>" + _INT + r")\s*"
+        + _words("PG status: last enqueued work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
+        + _words("last completed work:") + r"\s*(?P<comp>" + _INT + ")"), _progress, role="support",
+        family="progress"),
+    LineRule("gloo-timeout", "gloo", "collective_timeout", re.compile(
+        r"gloo[^\]\s]*\]\s*" + _words("Timed out waiting") + r"\s*(?P<ms>\d+)\s*ms\s*for\s*(?:recv|send)\s*operation"),
+        _gloo_timeout),
+    LineRule("gloo-peer-lost", "gloo", "collective_timeout", re.compile(
+        r"gloo[^\]\s]*\]\s*(?:Read\s*error\s*(?P<peer1>\[[^\]]*\]:\d+)\s*:\s*)?"
+        r"Connection\s*(?:closed|reset)\s*by\s*peer"
+        r"(?:\s*(?P<peer2>\[[^\]]*\]:\d+))?"), _gloo_peer),
+    # -- heartbeat monitor / watchdog ------------------------------------------
+    LineRule("heartbeat-monitor", "heartbeat", "heartbeat_timeout", re.compile(
+        _words("Heartbeat monitor timed out!") + r"(?:.*?workMetaList_\.size\(\)\s*=\s*(?P<pending>\d+))?"),
+        _heartbeat),
+    LineRule("dump-signal", "dump", "heartbeat_timeout", re.compile(
+        _words("Received a dump signal due to a collective timeout from") + r"\s*(?:(?P<local>"
+        + _words("this local rank") + r")|rank\s*(?P<src>\d+))"
+        + r"(?:.*?" + _words("Last enqueued NCCL work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
+        + _words("last completed NCCL work:") + r"\s*(?P<comp>" + _INT + "))?"), _dump_signal, family="progress"),
+    # Any other line with both counters (a flight-recorder summary, a custom
+    # print): no finding of its own, but a progress point for the comparison.
+    LineRule("nccl-progress", "enqueued", "collective_timeout", re.compile(
+        r"(?i)" + _words("last enqueued") + r"\s*(?:NCCL\s*)?work:\s*(?P<enq>" + _INT + r"),\s*"
+        + _words("last completed") + r"\s*(?:NCCL\s*)?work:\s*(?P<comp>" + _INT + ")"), _progress, role="support",
+        family="progress"),
+    LineRule("timeout-signal", "received", "heartbeat_timeout", re.compile(
+        r"Received\s*a\s*(?:" + _words("global timeout from another rank") + "|"
+        + _words("timeout signal from this local rank") + ")"), _nothing),
+    LineRule("watchdog-stuck", "stuck", "watchdog_stuck", re.compile(
+        r"(?i)(?:ProcessGroupNCCL'\s*s\s*)?watchdog\s*got\s*stuck\s*for\s*(?P<secs>\d+)\s*seconds"), _stuck),
+    # -- NCCL errors ---------------------------------------------------------------
+    LineRule("nccl-async-error", "async", "nccl_error", re.compile(
+        r"Collective\s*" + _WORK + r"\s*" + _words("raised the following async exception:")
+        + r"\s*NCCL\s*error\s*:\s*" + _NCCL_DESC),
+        _nccl_async, family="nccl-text"),
+    LineRule("nccl-error-in", "nccl", "nccl_error", re.compile(
+        r"NCCL\s*error\s*(?:in\s*:\s*[^,\s]+\s*,|:)\s*" + _NCCL_DESC), _nccl_line, family="nccl-text"),
+    LineRule("nccl-code", "nccl", "nccl_error", re.compile(
+        r"\b(?P<code>nccl(?:UnhandledCudaError|SystemError|InternalError|InvalidArgument|InvalidUsage"
+        r"|RemoteError))\s*:"),
+        _nccl_code),
+    # -- CUDA: one finding per line, most specific first -------------------------
+    LineRule("cuda-ecc", "ecc", "ecc", re.compile(
+        _words("uncorrectable ECC error encountered") + r"|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable"),
+        _nothing, family="cuda"),
+    LineRule("cuda-illegal-address", "illegal", "illegal_memory_access", re.compile(
+        _words("illegal memory access was encountered") + r"|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS"),
+        _nothing, family="cuda"),
+    LineRule("cuda-error-oom", "memory", "oom", re.compile(r"CUDA\s*error\s*:\s*out\s*of\s*memory"),
+             _nothing, family="cuda"),
+    LineRule("cuda-error", "cuda", "cuda_error", re.compile(
+        r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
+        r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),
+        _cuda_message, family="cuda"),
+    LineRule("cuda-async-hint", "asynchronously", "cuda_error", re.compile(
+        _words("CUDA kernel errors might be asynchronously reported")), _nothing, role="hint"),
+    # -- memory --------------------------------------------------------------------
+    LineRule("cuda-oom", "memory", "oom", re.compile(
+        r"OutOfMemoryError\s*:\s*(?=\S)|CUDA\s*out\s*of\s*memory\."), _oom),
+    # -- processes -------------------------------------------------------------------
+    LineRule("elastic-failed", "exitcode", "child_failed", re.compile(
+        r"failed\s*\(exitcode:\s*(?P<exit>-?\d+)\)\s*local_rank:\s*(?P<local>\d+)\s*\(pid:\s*(?P<pid>\d+)\)"),
+        _elastic_failed),
+    LineRule("dataloader-killed", "dataloader", "dataloader_worker_killed", re.compile(
+        r"DataLoader\s*worker\s*(?:\(pid(?:\(s\))?\s*(?P<pids>\d[\d,\s]*)\)\s*)?"
+        r"(?:is\s*killed\s*by\s*signal\s*:\s*(?P<sig>[A-Za-z ]+)|exited\s*unexpectedly"
+        r"(?:\s*with\s*exit\s*code\s*(?P<exit>-?\d+))?)"), _dataloader),
+    LineRule("dataloader-bus-error", "bus", "dataloader_worker_killed", re.compile(
+        _words("Unexpected bus error encountered in worker")), _bus_error),
+)
+
+# Cheap pre-filter: a line containing none of these (lower-cased) words
+# cannot start a message in RULES, so the rule loop and the wrap-joining skip
+# it. Plain substrings, because "NCCL INFO" chatter fills real logs and a
+# regex test per line would cost more than the parsing.
+_ANCHOR_WORDS = (
+    "watchdog", "heartbeat", "signal", "timeout", "timed out", "collective", "enqueued", "either an",
+    "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
+)
+
+
+def may_hold_message(line: str) -> bool:
+    """True when a line may hold (the start of) a known message."""
+    lower = line.lower()
+    return any(word in lower for word in _ANCHOR_WORDS)

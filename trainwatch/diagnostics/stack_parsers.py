@@ -1,0 +1,357 @@
+"""Stack parsers: every stack text or py-spy JSON shape -> the model in stacks.py.
+
+Stacks reach trainwatch in many shapes: `py-spy dump` (text or `--json`, with or
+without `--native`), faulthandler dumps, Python tracebacks, pystack, gdb `bt` and
+`py-bt`, and C++ frames printed by c10 exceptions. Every parser here turns its
+shape into the same model (`ProcessStack` > `ThreadStack` > `Frame`, innermost
+frame first) and never raises on junk: a line it does not understand is skipped.
+
+Everything here is pure: text or decoded JSON in, frozen dataclasses out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping
+
+from trainwatch.diagnostics.stacks import Frame, ProcessStack, ThreadStack
+
+# ---------------------------------------------------------------------------
+# py-spy JSON
+
+
+def parse_pyspy_json(data: Any, pid: int | None = None, rank: int | None = None) -> list[ProcessStack]:
+    """Decoded `py-spy dump --json` output -> processes.
+
+    Accepts a list of thread objects (what py-spy prints), an object mapping
+    pid -> thread list, an object `{"pid", "rank", "threads"}` or a list of any
+    of these. Junk yields an empty list, never an exception.
+    """
+    if isinstance(data, dict):
+        if "frames" in data:
+            return parse_pyspy_json([data], pid=pid, rank=rank)
+        if "threads" in data or "error" in data:
+            threads = data.get("threads") if isinstance(data.get("threads"), list) else []
+            return [ProcessStack(
+                pid=_int_or(data.get("pid"), pid),
+                rank=_int_or(data.get("rank"), rank),
+                command=_str_or_none(data.get("command")),
+                threads=tuple(_pyspy_json_thread(t) for t in threads if isinstance(t, dict)),
+                error=_str_or_none(data.get("error")),
+            )]
+        out: list[ProcessStack] = []
+        for key, value in data.items():
+            out.extend(parse_pyspy_json(value, pid=_int_or(key, pid), rank=rank))
+        return out
+    if not isinstance(data, list):
+        return []
+    if any(isinstance(item, list) or (isinstance(item, dict) and "frames" not in item) for item in data):
+        out = []
+        for item in data:
+            out.extend(parse_pyspy_json(item, pid=pid, rank=rank))
+        return out
+    # A flat list of threads; py-spy stamps each with its pid.
+    by_pid: dict[int | None, list[ThreadStack]] = {}
+    for item in data:
+        if isinstance(item, dict):
+            by_pid.setdefault(_int_or(item.get("pid"), pid), []).append(_pyspy_json_thread(item))
+    return [ProcessStack(p, rank, None, tuple(threads)) for p, threads in by_pid.items()]
+
+
+def _pyspy_json_thread(item: Mapping[str, Any]) -> ThreadStack:
+    frames = []
+    raw_frames = item.get("frames")
+    for raw in raw_frames if isinstance(raw_frames, list) else ():
+        if not isinstance(raw, dict):
+            continue
+        line = _int_or(raw.get("line"), None)
+        frames.append(Frame(
+            function=str(raw.get("name") or "?"),
+            file=str(raw.get("filename") or raw.get("short_filename") or ""),
+            line=line if line else None,  # py-spy reports native frames as line 0
+        ))
+    tid = item.get("os_thread_id") or item.get("thread_id")
+    return ThreadStack(
+        thread_id=None if tid is None else str(tid),
+        thread_name=_str_or_none(item.get("thread_name")),
+        frames=tuple(frames),
+        active=item.get("active") if isinstance(item.get("active"), bool) else None,
+        gil=item.get("owns_gil") if isinstance(item.get("owns_gil"), bool) else None,
+    )
+
+
+def _int_or(value: Any, default: int | None) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _decode_json_values(text: str) -> list[Any] | None:
+    """Every JSON value in `text` (py-spy dumps may be concatenated); None if not all JSON."""
+    decoder = json.JSONDecoder()
+    values, pos = [], 0
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos >= len(text):
+            return values
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+# ---------------------------------------------------------------------------
+# Text parsers
+
+_SOURCE_LINE = re.compile(r"^\s*# source:")
+_FENCE = re.compile(r"^\s*```")
+# torchrun/elastic prefix every line with "[rankN]:"; some launchers add a host first.
+_RANK_PREFIX = re.compile(r"^(?:[\w.-]+:\s+)?\[(?:rank|RANK)\s*(\d+)\]:\s?")
+_OTHER_PREFIX = re.compile(r"^\[[\w|.-]+\]:\s?")
+
+_PYSPY_PROCESS = re.compile(r"^Process (\d+): (.*?)\s*$")
+_PID_BANNER = re.compile(r"^=+\s*pid\s+(\d+)\s*=+\s*$", re.IGNORECASE)
+_PYSPY_THREAD = re.compile(
+    r'^Thread\s*(?P<id>0[xX][0-9a-fA-F]+|\d+)?\s*\((?P<state>[a-z+]+)\)(?::\s*"(?P<name>.*)")?\s*$'
+)
+_PYSPY_FRAME = re.compile(r"^(?P<indent>\s+)(?P<func>\S.*?)\s*\((?P<loc>[^()\s]*)\)\s*$")
+_PYSPY_LOCALS = re.compile(r"^(?P<indent>\s+)(?:Arguments|Locals):\s*$")
+_FAULT_THREAD = re.compile(
+    r"^(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)(?: \[(?P<name>[^\]]*)\])?"
+    r" \(most recent call first\):\s*$"
+)
+_FAULT_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S.*?)\s*$')
+_GC_MARK = re.compile(r"^\s*<?Garbage-collecting>?\s*$")
+_TB_HEADER = re.compile(r"^\s*Traceback \(most recent call (?P<order>last|first)\):\s*$")
+_TB_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<func>\S.*?)\s*$')
+_EXCEPTION = re.compile(
+    r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning|Timeout\w*)|[A-Za-z_][\w.]*\.\w+)(?::|\s*$)"
+)
+_PYSTACK_THREAD = re.compile(
+    r"^\s*Traceback for thread (?P<id>\d+)(?: \((?P<name>[^)]*)\))?(?: \[(?P<state>[^\]]*)\])?"
+    r" \(most recent call last\):\s*$"
+)
+_PYSTACK_FRAME = re.compile(
+    r'^\s*\((?:Python|C)\) File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<func>.+?)'
+    r"(?: \((?P<lib>[^()]*)\))?\s*$"
+)
+_OLD_PYSTACK_FRAME = re.compile(r"^\s*(?P<file>\S+\.py) \((?P<line>\d+)\): (?P<func>\S+)\s*$")
+_GDB_THREAD = re.compile(r"^\*?\s*Thread (?P<num>\d+) \((?P<desc>.*)\):?\s*$")
+_GDB_PYBT_FRAME = re.compile(
+    r"^#\d+ Frame 0x[0-9a-fA-F]+, for file (?P<file>.+?), line (?P<line>\d+), in (?P<func>[^\s(]+)"
+)
+_GDB_FRAME = re.compile(r"^#\d+\s+(?:0x[0-9a-fA-F]+ in )?(?P<rest>\S.*?)\s*$")
+_GDB_WHERE = re.compile(r"\s+(?:from|at) (?P<file>\S+?)(?::(?P<line>\d+))?\s*$")
+_GDB_CONTINUATION = re.compile(r"^\s+(?:from|at) (?P<file>\S+?)(?::(?P<line>\d+))?\s*$")
+_CPP_FRAME = re.compile(
+    r"^frame #\d+: (?P<func>.+?)(?: \+ 0x[0-9a-fA-F]+)? \((?:0x[0-9a-fA-F]+ in )?(?P<file>[^()]*)\)\s*$"
+)
+_LWP = re.compile(r"LWP (\d+)")
+
+
+def parse_stack_text(text: str) -> list[ProcessStack]:
+    """Any supported stack text -> processes; auto-detects the format(s) line by line.
+
+    Several processes in one text (py-spy `Process N:` headers, `[rankN]:` log
+    prefixes, `== pid N ==` banners) become several ProcessStacks. Lines starting
+    with `# source:` and markdown fences are ignored.
+    """
+    lines = [line.rstrip("\r") for line in text.splitlines()
+             if not _SOURCE_LINE.match(line) and not _FENCE.match(line)]
+    body = "\n".join(lines).strip()
+    if body[:1] in ("[", "{"):
+        values = _decode_json_values(body)
+        if values is not None:
+            return [p for value in values for p in parse_pyspy_json(value)]
+    processes: list[ProcessStack] = []
+    for rank, chunk in _split_by_rank(lines):
+        for proc in _scan(chunk):
+            processes.append(proc if proc.rank is not None or rank is None else _with_rank(proc, rank))
+    return processes
+
+
+def _with_rank(proc: ProcessStack, rank: int) -> ProcessStack:
+    return ProcessStack(proc.pid, rank, proc.command, proc.threads, proc.error)
+
+
+def _split_by_rank(lines: list[str]) -> list[tuple[int | None, list[str]]]:
+    """Route `[rankN]:`-prefixed lines to one chunk per rank; other lines stay together."""
+    chunks: dict[int | None, list[str]] = {}
+    for line in lines:
+        m = _RANK_PREFIX.match(line)
+        if m:
+            chunks.setdefault(int(m.group(1)), []).append(line[m.end():])
+        else:
+            chunks.setdefault(None, []).append(_OTHER_PREFIX.sub("", line, count=1))
+    return list(chunks.items())
+
+
+class _ThreadBuilder:
+    """Frames of one thread while it is being read; `innermost_last` tracebacks flip at the end."""
+
+    __slots__ = ("kind", "thread_id", "name", "active", "gil", "frames", "exception", "innermost_last",
+                 "collecting")
+
+    def __init__(self, kind: str, thread_id: str | None = None, name: str | None = None,
+                 active: bool | None = None, gil: bool | None = None, innermost_last: bool = False):
+        self.kind = kind
+        self.thread_id = thread_id
+        self.name = name
+        self.active = active
+        self.gil = gil
+        self.frames: list[Frame] = []
+        self.exception: str | None = None
+        self.innermost_last = innermost_last
+        self.collecting = False  # pystack says the thread is inside a GC pass
+
+    def build(self) -> ThreadStack:
+        frames = tuple(reversed(self.frames)) if self.innermost_last else tuple(self.frames)
+        if self.collecting:
+            frames = (Frame("<gc>", "gc"), *frames)
+        return ThreadStack(self.thread_id, self.name, frames, self.active, self.gil, self.exception)
+
+
+class _ProcessBuilder:
+    __slots__ = ("pid", "command", "threads")
+
+    def __init__(self, pid: int | None = None, command: str | None = None):
+        self.pid = pid
+        self.command = command
+        self.threads: list[_ThreadBuilder] = []
+
+    def build(self) -> ProcessStack:
+        threads = tuple(t.build() for t in self.threads
+                        if t.frames or t.kind == "pyspy" or t.exception)
+        return ProcessStack(self.pid, None, self.command, threads)
+
+
+def _scan(lines: list[str]) -> list[ProcessStack]:
+    """One pass over the lines of one rank's text; every format is recognised by its own lines."""
+    processes: list[_ProcessBuilder] = []
+    proc: _ProcessBuilder | None = None
+    thread: _ThreadBuilder | None = None
+    skip_indent: int | None = None  # inside py-spy `Arguments:`/`Locals:` blocks
+
+    def new_process(pid: int | None, command: str | None) -> _ProcessBuilder:
+        nonlocal thread
+        p = _ProcessBuilder(pid, command)
+        processes.append(p)
+        thread = None
+        return p
+
+    def new_thread(t: _ThreadBuilder) -> _ThreadBuilder:
+        nonlocal proc
+        if proc is None:
+            proc = new_process(None, None)
+        proc.threads.append(t)
+        return t
+
+    def current(kind: str, innermost_last: bool = False) -> _ThreadBuilder:
+        # Frames without a header (a trimmed paste) still form a thread.
+        nonlocal thread
+        if thread is None or thread.kind != kind or thread.exception is not None:
+            thread = new_thread(_ThreadBuilder(kind, innermost_last=innermost_last))
+        return thread
+
+    for line in lines:
+        if not line.strip():
+            continue
+        if skip_indent is not None:
+            if len(line) - len(line.lstrip()) > skip_indent:
+                continue
+            skip_indent = None
+
+        if m := _PYSPY_PROCESS.match(line):
+            proc = new_process(int(m.group(1)), m.group(2) or None)
+        elif m := _PID_BANNER.match(line):
+            proc = new_process(int(m.group(1)), None)
+        elif m := _PYSPY_THREAD.match(line):
+            state = m.group("state")
+            thread = new_thread(_ThreadBuilder(
+                "pyspy", m.group("id"), m.group("name"),
+                active="active" in state if ("active" in state or "idle" in state) else None,
+                gil="gil" in state,
+            ))
+        elif m := _FAULT_THREAD.match(line):
+            thread = new_thread(_ThreadBuilder("fault", m.group("id"), m.group("name")))
+        elif m := _PYSTACK_THREAD.match(line):
+            state = m.group("state") or ""
+            thread = new_thread(_ThreadBuilder(
+                "pystack", m.group("id"), m.group("name"),
+                gil=True if "Has the GIL" in state else None, innermost_last=True))
+            thread.collecting = "Garbage collecting" in state
+        elif m := _TB_HEADER.match(line):
+            first = m.group("order") == "first"  # gdb's py-bt prints innermost first
+            thread = new_thread(_ThreadBuilder(
+                "pybt" if first else "traceback", name=None if first else "traceback",
+                innermost_last=not first))
+        elif m := _GDB_THREAD.match(line):
+            lwp = _LWP.search(m.group("desc"))
+            thread = new_thread(_ThreadBuilder("gdb", lwp.group(1) if lwp else m.group("num")))
+        elif thread is not None and thread.kind == "pyspy" and (m := _PYSPY_LOCALS.match(line)):
+            skip_indent = len(m.group("indent"))
+        elif thread is not None and thread.kind == "pyspy" and (m := _PYSPY_FRAME.match(line)):
+            loc = m.group("loc")
+            file, _, lineno = loc.rpartition(":")
+            if not (file and lineno.isdigit()):
+                file, lineno = loc, ""
+            thread.frames.append(Frame(m.group("func"), file, int(lineno) if lineno else None))
+        elif m := _FAULT_FRAME.match(line):
+            current("fault").frames.append(_frame(m))
+        elif _GC_MARK.match(line):
+            current("fault").frames.append(Frame("<gc>", "gc"))
+        elif m := _TB_FRAME.match(line):
+            if thread is not None and thread.kind in ("traceback", "pybt") and thread.exception is None:
+                thread.frames.append(_frame(m))
+            else:
+                current("traceback", innermost_last=True).frames.append(_frame(m))
+        elif m := _PYSTACK_FRAME.match(line):
+            current("pystack", innermost_last=True).frames.append(
+                Frame(m.group("func"), m.group("lib") or m.group("file"), _line(m.group("line")) or None))
+        elif m := _GDB_PYBT_FRAME.match(line):
+            current("gdb").frames.append(_frame(m))
+        elif m := _CPP_FRAME.match(line):
+            current("cpp").frames.append(Frame(m.group("func").strip(), m.group("file").strip()))
+        elif m := _GDB_FRAME.match(line):
+            frame = _gdb_frame(m.group("rest"))
+            if frame is not None:
+                current("gdb").frames.append(frame)
+        elif thread is not None and thread.kind == "gdb" and thread.frames and (m := _GDB_CONTINUATION.match(line)):
+            last = thread.frames[-1]
+            if not last.file:
+                thread.frames[-1] = Frame(last.function, m.group("file"), _line(m.group("line")))
+        elif m := _OLD_PYSTACK_FRAME.match(line):
+            current("oldpystack").frames.append(_frame(m))
+        elif (thread is not None and thread.kind == "traceback" and thread.frames
+              and thread.exception is None and not line[0].isspace() and _EXCEPTION.match(line)):
+            thread.exception = line.strip()
+    return [p.build() for p in processes if p.threads or p.pid is not None]
+
+
+def _line(value: str | None) -> int | None:
+    return int(value) if value and value.isdigit() else None
+
+
+def _frame(m: re.Match[str]) -> Frame:
+    return Frame(m.group("func"), m.group("file"), _line(m.group("line")))
+
+
+def _gdb_frame(rest: str) -> Frame | None:
+    """`func (args) from lib.so` / `func (args) at file.c:12` / `func from file.py:12`."""
+    if rest.startswith("<"):
+        return None  # py-bt's `<built-in method ...>` lines carry no location
+    file, line = "", None
+    where = _GDB_WHERE.search(rest)
+    if where:
+        file, line = where.group("file"), _line(where.group("line"))
+        rest = rest[: where.start()]
+    function = rest.split(" (", 1)[0].strip()
+    return Frame(function, file, line) if function else None

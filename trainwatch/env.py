@@ -1,0 +1,44 @@
+"""The environment-variable contract between `trainwatch launch`, the node
+sidecar and the ranks, declared once.
+
+The launcher sets these for every worker (torchelastic passes its own
+environment on) and for the sidecar; ranks and tools read them through the
+names below, never through string literals of their own.
+"""
+
+from __future__ import annotations
+
+HOME = "TRAINWATCH_HOME"
+"""Root of trainwatch's state (default ~/.trainwatch, mode 0700): jobs/<job>/ lives there.
+Users set it; the launcher passes its resolved path on to every process of the job."""
+
+JOB = "TRAINWATCH_JOB"
+"""The job name. Set by the launcher for ranks; py-spy and signals only ever target
+processes whose environment carries this job's name."""
+
+SLOTS = "TRAINWATCH_SLOTS"
+"""Path of the node's shared-memory slot segment; a rank attaches to slot LOCAL_RANK.
+Unset: `trainwatch.init()` returns a handle on a private, unread slot."""
+
+INJECT = "TRAINWATCH_INJECT"
+"""JSON list of `--inject` fault specs (trainwatch.inject.spec); each rank arms the
+ones naming its rank, on the first run of the worker group only."""
+
+CKPT_DIR = "TRAINWATCH_CKPT_DIR"
+"""Default checkpoint directory of the integrated trainer (periodic and emergency
+checkpoints): jobs/<job>/checkpoints unless the user set it."""
+
+TARGETS_DIR = "TRAINWATCH_TARGETS_DIR"
+"""Where `launch` lists its exporter for Prometheus file_sd (default $TRAINWATCH_HOME/targets)."""
+
+HISTORY_MAX_BYTES = "TRAINWATCH_HISTORY_MAX_BYTES"
+"""Cap of a node's history file for `trainwatch report` (default 8 MiB)."""
+
+# torch's own variables the launcher sets (if unset) for the job.
+FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
+"""PyTorch flight recorder entries per rank: collective sequence numbers per process group."""
+FRESH_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""A fresh rendezvous store per restart: with a shared one, a restarted gloo group
+reads the previous attempt's addresses and fails to connect (torch 2.13)."""
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torchelastic in every worker: the worker group's generation."""

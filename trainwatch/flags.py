@@ -1,0 +1,211 @@
+"""Command-line flags generated from config dataclasses, so every setting is
+stated once: its field (name, type, default) and the docstring under it.
+
+Used by the integrated trainer (`python -m trainwatch.trainer`) and by
+`trainwatch launch` for the watchdog's settings (`--hang-floor-s`,
+`--no-live-counts`, ...). Nested config dataclasses become sections whose
+flags carry the section's prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+import textwrap
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line docstrings under a dataclass's fields, by field name.
+
+    Read from the source so the field docstrings are the single description of
+    each setting; without source (a stripped install) the help is just shorter.
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def flag(name: str) -> str:
+    """Command-line spelling of a config field: max_steps -> max-steps."""
+    return name.replace("_", "-")
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One generated flag: where its value goes in the config, how it is spelled."""
+
+    path: tuple[str, ...]
+    """Attribute path in the root config, e.g. ('detectors', 'hang', 'floor_s')."""
+    option: str
+    """The flag, e.g. '--hang-floor-s' or '--no-live-counts'."""
+    kind: type
+    """bool, int, float, str, or tuple (a comma-separated list of names)."""
+    default: Any
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return "cfg__" + "__".join(self.path)
+
+
+def config_flags(cls: type, prefixes: dict[tuple[str, ...], str], *, path: tuple[str, ...] = ()) -> list[Flag]:
+    """Flags for every field of `cls`, recursing into nested config dataclasses.
+    `prefixes` maps a section's path to its flag prefix ('hang-'); fields with
+    metadata {"flag": False} are left out. A boolean that defaults to True is
+    spelled --no-<name>."""
+    out: list[Flag] = []
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    instance = cls()
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("flag") is False:
+            continue
+        sub = path + (f.name,)
+        kind = _kind(hints[f.name])
+        default = getattr(instance, f.name)
+        if dataclasses.is_dataclass(kind):
+            out += config_flags(kind, prefixes, path=sub)
+            continue
+        prefix = prefixes.get(path, "")
+        name = flag(prefix + f.name)
+        if kind is bool and default is True:
+            name = "no-" + name
+        help_text = docs.get(f.name, "").replace("%", "%%")
+        if kind is not bool:
+            shown = ",".join(sorted(default)) if kind is tuple else default
+            help_text += f" (default: {shown})"
+        out.append(Flag(sub, "--" + name, kind, default, help_text))
+    return out
+
+
+def add_flags(group: Any, flags: list[Flag], aliases: dict[str, str] | None = None) -> None:
+    """Add the flags to an argparse parser or group; `aliases` maps an option to
+    extra spellings (kept for older command lines)."""
+    aliases = aliases or {}
+    for f in flags:
+        names = [f.option, *([aliases[f.option]] if f.option in aliases else [])]
+        if f.kind is bool:
+            group.add_argument(*names, dest=f.dest, action="store_const", const=not f.default, default=None,
+                               help=f.help)
+        else:
+            metavar = "NAME,..." if f.kind is tuple else f.path[-1].upper()
+            group.add_argument(*names, dest=f.dest, default=None, metavar=metavar, help=f.help)
+
+
+def apply_flags(config: Any, flags: list[Flag], namespace: argparse.Namespace) -> Any:
+    """A copy of `config` with every flag given on the command line applied;
+    ValueError naming the flag for a value that is not a finite, non-negative
+    number (or a list of names)."""
+    config = _copy(config)
+    for f in flags:
+        raw = getattr(namespace, f.dest, None)
+        if raw is None:
+            continue
+        value = raw if f.kind is bool else _parse(f, raw)
+        target = config
+        for name in f.path[:-1]:
+            target = getattr(target, name)
+        current = getattr(target, f.path[-1])
+        if isinstance(current, frozenset):
+            value = frozenset(value)
+        setattr(target, f.path[-1], value)
+    _validate(config)
+    return config
+
+
+def _validate(config: Any) -> None:
+    """Run each nested config's own checks (__post_init__) on the final values."""
+    if not dataclasses.is_dataclass(config):
+        return
+    for f in dataclasses.fields(config):
+        _validate(getattr(config, f.name))
+    check = getattr(config, "__post_init__", None)
+    if check is not None:
+        check()
+
+
+def _parse(f: Flag, raw: str) -> Any:
+    if f.kind is tuple:
+        items = tuple(x.strip() for x in str(raw).split(",") if x.strip())
+        return items
+    try:
+        value = f.kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{f.option} must be {'an integer' if f.kind is int else 'a number'}; got {raw!r}") from None
+    if isinstance(value, (int, float)) and (not math.isfinite(value) or value < 0):
+        raise ValueError(f"{f.option} must be a finite number >= 0; got {raw!r}")
+    return value
+
+
+def _kind(annotation: Any) -> type:
+    origin = typing.get_origin(annotation)
+    if origin in (tuple, frozenset, set, list) or annotation in (tuple, frozenset, set, list):
+        return tuple
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _kind(args[0]) if args else str
+    return annotation if isinstance(annotation, type) else str
+
+
+def _copy(config: Any) -> Any:
+    """Deep copy of nested config dataclasses (their leaves are immutable)."""
+    if not dataclasses.is_dataclass(config):
+        return config
+    return dataclasses.replace(config, **{f.name: _copy(getattr(config, f.name)) for f in dataclasses.fields(config)
+                                          if f.init})
+
+
+def to_json(config: Any) -> Any:
+    """A config dataclass as plain JSON values (sets and tuples become sorted/plain lists)."""
+    if dataclasses.is_dataclass(config):
+        return {f.name: to_json(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, (set, frozenset)):
+        return sorted(config)
+    if isinstance(config, tuple):
+        return list(config)
+    return config
+
+
+def from_json(cls: type, data: Any) -> Any:
+    """The inverse of to_json; ValueError for unknown fields or wrong types."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(sorted(unknown))}")
+    values = {}
+    for name, raw in data.items():
+        kind = _kind(hints[name])
+        origin = typing.get_origin(hints[name]) or hints[name]
+        if dataclasses.is_dataclass(kind):
+            values[name] = from_json(kind, raw)
+        elif kind is tuple:
+            if not isinstance(raw, list):
+                raise ValueError(f"{cls.__name__}.{name}: expected a list")
+            values[name] = frozenset(raw) if origin is frozenset else (list(raw) if origin is list else tuple(raw))
+        elif raw is None or kind is str or isinstance(raw, kind) or (kind is float and isinstance(raw, int)):
+            values[name] = raw
+        else:
+            raise ValueError(f"{cls.__name__}.{name}: expected {kind.__name__}, got {type(raw).__name__}")
+    return cls(**values)

@@ -1,0 +1,35 @@
+"""Fault hooks: where an injected fault (`trainwatch launch --inject`) happens
+inside a rank. The rank calls these at its fault points; the default object
+does nothing, so production code never branches on "is injection on", and the
+real faults (trainwatch.inject.faults) are passed in, never patched onto the
+telemetry handle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class FaultHooks:
+    """No faults: every hook is a no-op."""
+
+    def fault_point(self, tw: Any, where: str) -> None:
+        """At 'data', 'forward', 'checkpoint', 'step_end' and 'emergency_write'."""
+
+    def skip_collective(self, tw: Any) -> bool:
+        """True when this rank should silently skip its next all-reduce."""
+        return False
+
+    def perturb_loss(self, tw: Any, loss: Any) -> Any:
+        """The loss, or a NaN/spiked copy of it."""
+        return loss
+
+    def wants(self, kind: str, where: str | None = None) -> bool:
+        """True when a fault of this kind (and hang location) is armed here."""
+        return False
+
+    def unfired(self) -> list:
+        """Armed faults that have not fired yet (said at exit, never dropped silently)."""
+        return []
+
+
+NO_FAULTS = FaultHooks()

@@ -1,0 +1,38 @@
+"""`trainwatch jobs [--json]`: the jobs under $TRAINWATCH_HOME and their status
+(a job whose launcher died without saying so shows as `lost`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from trainwatch import state
+from trainwatch.usage import Parser
+
+
+def _text(value: object, default: str = "") -> str:
+    return value if isinstance(value, str) else default
+
+
+def main(argv: list[str]) -> int:
+    p = Parser(prog="trainwatch jobs", usage_hint="usage: trainwatch jobs [--json]")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    jobs = state.list_jobs()
+    for j in jobs:
+        j["status"] = state.live_status(j)
+    if args.json:
+        print(json.dumps(jobs, indent=2, default=str))
+        return 0
+    if not jobs:
+        print(f"no jobs under {state.home() / 'jobs'}")
+        return 0
+    print(f"{'JOB':<36} {'STATUS':<10} {'RANKS':>5} {'RESTARTS':>8}  {'STARTED':<19}  ENTRYPOINT")
+    for j in jobs:
+        start = j.get("start_time")
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(start)) if isinstance(start, (int, float)) else "-"
+        ranks = j.get("ranks") if isinstance(j.get("ranks"), list) else []
+        restarts = j.get("restarts") if isinstance(j.get("restarts"), int) else 0
+        print(f"{_text(j.get('job'), '?'):<36} {j['status']:<10} {len(ranks):>5} {restarts:>8}  {started:<19}  "
+              f"{_text(j.get('entrypoint'))}")
+    return 0

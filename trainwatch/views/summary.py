@@ -1,0 +1,27 @@
+"""What a user needs when trainwatch gives up on a job: what happened, how
+often, what next. Printed by the launcher at exit."""
+
+from __future__ import annotations
+
+from trainwatch import state
+
+
+def failure_summary(job: str, restarts: int, max_restarts: int) -> str:
+    """What a user needs when trainwatch gives up: what happened, how often, what next."""
+    events = state.JobDir(job).incidents()
+    kinds: dict[str, int] = {}
+    for e in events:
+        kinds[e.get("kind", "?")] = kinds.get(e.get("kind", "?"), 0) + 1
+    last = next((e for e in reversed(events) if e.get("kind") not in ("restart",)), None)
+    lines = [f"[trainwatch] summary for job {job}:"]
+    lines.append(f"  restarts: {restarts} of {max_restarts} allowed"
+                 + (" (budget spent)" if max_restarts and restarts >= max_restarts else ""))
+    lines.append("  incidents: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"))
+    if last is not None:
+        verdict = last.get("verdict") or {}
+        lines.append(f"  last: {last.get('kind')}: {verdict.get('summary') or last.get('summary', '')}")
+        runbook = verdict.get("runbook") or last.get("runbook")
+        if runbook:
+            lines.append(f"  next: trainwatch runbook {runbook}")
+    lines.append(f"  details: trainwatch diagnose {job}")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""`trainwatch launch`'s command line: torchrun's options (its own parser, same
+env-var defaults), trainwatch's, and the watchdog's settings generated from
+SidecarConfig. Every bad input is one `LaunchError` naming the fix, raised
+before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainwatch import env, flags, state
+from trainwatch.inject import spec as inject
+from trainwatch.watchdog.config import FLAG_ALIASES, SidecarConfig, launch_flags
+
+DEFAULT_MODULE = "trainwatch.trainer"
+DEFAULT_MAX_RESTARTS = 3
+TRAINER_CHECK_TIMEOUT_S = 120.0
+
+
+class LaunchError(ValueError):
+    """Bad launch input; the message names the fix."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchConfig:
+    """trainwatch's own launch options (torchrun's are kept in its namespace)."""
+
+    job: str
+    """Job name: the key of the state directory and of `trainwatch diagnose`."""
+    metrics_port: int = 0
+    """Prometheus exporter port; 0 picks a free port, -1 turns it off."""
+    metrics_host: str = "127.0.0.1"
+    """Address the exporter binds; loopback unless told otherwise."""
+    faults: list = field(default_factory=list)
+    """Faults to inject (parsed `--inject` specs)."""
+    sidecar: SidecarConfig = field(default_factory=SidecarConfig)
+    """Everything the node's watchdog does (thresholds, actions, intervals)."""
+
+
+class _ParseError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise _ParseError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's own parser (same options, same env-var defaults) + ours."""
+    from torch.distributed.run import get_args_parser
+
+    parser = _Parser(
+        prog="trainwatch launch",
+        description="Run a distributed PyTorch job like torchrun, watched by trainwatch. "
+        "With no script, runs the integrated trainer's default job.",
+        parents=[get_args_parser()],
+        add_help=False,
+        conflict_handler="resolve",
+    )
+    for action in parser._actions:
+        if action.dest == "training_script":
+            action.nargs = "?"
+            action.default = None
+    # trainwatch restarts hung or crashed jobs by default (torchrun: 0).
+    parser.set_defaults(max_restarts=int(os.environ.get("PET_MAX_RESTARTS", DEFAULT_MAX_RESTARTS)))
+    tw = parser.add_argument_group("trainwatch")
+    tw.add_argument("--job", default=None, help="Job name (default: generated and printed).")
+    tw.add_argument("--inject", action="append", default=[], metavar="KIND[:key=val,...]",
+                    help=f"Inject a fault for testing (repeatable). Kinds: {', '.join(sorted(inject.KINDS))}.")
+    tw.add_argument("--metrics-port", type=int, default=0,
+                    help="Prometheus exporter port (0 = free port, -1 = off).")
+    tw.add_argument("--metrics-host", default="127.0.0.1", help="Exporter bind address (default 127.0.0.1).")
+    tw.add_argument("--kernel-log", default=None, help="Follow this file as the kernel log instead of /dev/kmsg.")
+    flags.add_flags(parser.add_argument_group("trainwatch watchdog (thresholds and actions)"), launch_flags(),
+                    FLAG_ALIASES)
+    return parser
+
+
+# torchrun and trainwatch options that take no value (every other option does).
+_FLAGS = frozenset({"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
+                    "-h", "--help"})
+
+
+def prescan_job(argv: list[str]) -> str | None:
+    """The --job value, read without torchrun's parser (which imports torch):
+    options before the script only. None when not given."""
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--job" and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith("--job="):
+            return token.split("=", 1)[1]
+        if not token.startswith("-") or token in ("-m", "--module"):
+            return None  # the script or module: what follows is its own
+        i += 1 if token in _FLAGS or token.startswith("--no-") or "=" in token else 2
+    return None
+
+
+def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Namespace, LaunchConfig]:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _ParseError as e:
+        raise LaunchError(f"{e} (see `trainwatch launch --help`)") from None
+    _check_torchrun_options(args)
+    job = args.job if args.job is not None else (default_job or state.generate_job_name())
+    try:
+        state.check_job_name(job)
+    except state.StateError as e:
+        raise LaunchError(str(e)) from None
+    if args.training_script is None:
+        if args.module or args.no_python or args.run_path:
+            raise LaunchError("-m/--no-python/--run-path need a script or module name after the options")
+        args.module = True
+        args.training_script = DEFAULT_MODULE
+    elif not args.module and not args.no_python and not Path(args.training_script).is_file():
+        raise LaunchError(
+            f"training script {args.training_script!r} not found; give a path to a Python file, "
+            "or `-m MODULE`, or nothing to run the integrated trainer"
+        )
+    try:
+        faults = [inject.parse(spec) for spec in args.inject]
+        inject.check_ranks(faults, _world_size(args))
+        sidecar = flags.apply_flags(SidecarConfig(), launch_flags(), args)
+    except (inject.InjectError, ValueError) as e:
+        raise LaunchError(str(e)) from None
+    if args.kernel_log is not None:
+        folder = os.path.dirname(os.path.abspath(args.kernel_log)) or "."
+        if not os.access(folder, os.W_OK | os.R_OK):
+            raise LaunchError(f"--kernel-log {args.kernel_log!r}: its directory must exist and be readable")
+        sidecar.kernel_log = os.path.abspath(args.kernel_log)
+    sidecar.faults = [f.to_json() for f in faults if f.kind in inject.HARDWARE_KINDS]
+    if args.module and args.training_script == DEFAULT_MODULE:
+        check_trainer_args(job, args.training_script_args)
+    return args, LaunchConfig(job=job, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                              faults=faults, sidecar=sidecar)
+
+
+def _check_torchrun_options(args: argparse.Namespace) -> None:
+    nproc = str(args.nproc_per_node)
+    if nproc not in ("cpu", "gpu", "xpu", "auto"):
+        try:
+            if int(nproc) < 1:
+                raise ValueError
+        except ValueError:
+            raise LaunchError(f"--nproc-per-node must be a positive integer (or cpu/gpu/auto); got {nproc!r}") from None
+    try:
+        from torch.distributed.run import parse_min_max_nnodes
+
+        low, high = parse_min_max_nnodes(str(args.nnodes))
+        if not 1 <= low <= high:
+            raise ValueError
+    except (ValueError, RuntimeError):
+        raise LaunchError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX; got {args.nnodes!r}") from None
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be >= 0; got {args.max_restarts}")
+    if not -1 <= args.metrics_port <= 65535:
+        raise LaunchError(f"--metrics-port must be 0..65535 (0 = free port, -1 = off); got {args.metrics_port}")
+
+
+def _world_size(args: argparse.Namespace) -> int | None:
+    """Ranks of a single-node job (a fault aimed beyond them never fires); None when unknown."""
+    try:
+        from torch.distributed.run import parse_min_max_nnodes
+
+        low, high = parse_min_max_nnodes(str(args.nnodes))
+        return int(args.nproc_per_node) * high if low == high else None
+    except (ValueError, RuntimeError, TypeError):
+        return None
+
+
+def check_trainer_args(job: str, argv: list[str]) -> None:
+    """Validate the integrated trainer's flags once, here, instead of every rank
+    failing with its own copy of the error after the workers start. The trainer
+    checks itself (`--check`) in a subprocess: the launcher imports nothing of it."""
+    environ = dict(os.environ)
+    environ.setdefault(env.CKPT_DIR, str(state.JobDir(job).checkpoints_dir))
+    try:
+        r = subprocess.run([sys.executable, "-m", DEFAULT_MODULE, "--check", *argv], env=environ,
+                           capture_output=True, text=True, timeout=TRAINER_CHECK_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LaunchError(f"trainer: could not check its flags ({e})") from None
+    if r.returncode != 0:
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        message = lines[-1].removeprefix("error: ") if lines else f"exit code {r.returncode}"
+        raise LaunchError(f"trainer: {message} (see `python -m trainwatch.trainer --help`)")

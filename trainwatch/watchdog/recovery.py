@@ -1,0 +1,127 @@
+"""Recovery accounting: when a restarted worker group is back to training, one
+`restart` incident says from which step it resumed, how many steps were lost
+and where the seconds between the fault and the first new step went.
+
+The step a job resumed from is only stated when it is known: ranks that number
+their own steps (the trainer API) report their first step after the restart;
+zero-code steps are counted from 0 in every new process, so for those the
+summary says the script restarted from its own checkpoint instead of guessing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from trainwatch import rankrow, slots, state
+from trainwatch.watchdog.incident import Incident
+
+_INIT = slots.PHASE_CODES["init"]
+
+
+def _delta(a, b) -> float | None:
+    if a is None or b is None:
+        return None
+    return round(max(0.0, float(b) - float(a)), 3)
+
+
+class RestartTracker:
+    """Fed every sidecar read; returns the `restart` incident once a new worker
+    generation has completed a step on every rank."""
+
+    def __init__(self, job: state.JobDir, clock: Callable[[], float]):
+        self.job = job
+        self.clock = clock
+        self._seen = 0
+        self._last_step = 0
+        self._gen_ready: float | None = None
+        self._fault: dict | None = None
+        self._lock = threading.Lock()
+
+    def note_fault(self, record: dict, table=None) -> None:
+        """Remember the fault a restart will recover from (for the breakdown);
+        `table` is the slot table the fault was seen in."""
+        fault: dict[str, Any] = {"kind": record.get("kind"), "culprit_ranks": record.get("culprit_ranks") or [],
+                                 "detected_mono": record.get("detected_mono")}
+        culprits = set(fault["culprit_ranks"])
+        if table is not None and culprits and len(table):
+            rows = table[np.isin(table["rank"], list(culprits))]
+            if len(rows):
+                # The fault began when the culprit last made progress.
+                fault["fault_mono"] = float(rankrow.progress_mono(rows).min())
+        with self._lock:
+            self._fault = fault
+
+    def add_timings(self, **times: float) -> None:
+        """What the responder measured for the noted fault (capture, checkpoint, request time)."""
+        with self._lock:
+            if self._fault is not None:
+                self._fault.update(times)
+
+    def has_fault(self) -> bool:
+        return self._fault is not None
+
+    def observe(self, live) -> Incident | None:
+        restart = int(live["restart"].max())
+        old = live[live["restart"] < restart]
+        if restart == self._seen:
+            self._last_step = max(self._last_step, int(live["step"].max()))
+            return None
+        new = live[live["restart"] == restart]
+        if self._gen_ready is None and not len(old) and (new["phase"] != _INIT).all():
+            # Every new rank is past start-up (imports, checkpoint load, process group).
+            self._gen_ready = self.clock()
+        # The new worker group has recovered once every rank finished a step.
+        if len(old) or not (new["progress_mono"] > new["start_mono"]).all():
+            return None
+        self._seen = restart
+        with self._lock:
+            fault, self._fault = self._fault or {}, None
+        incident = self._incident(restart, new, fault)
+        self._gen_ready = None
+        self._last_step = int(new["step"].max())
+        return incident
+
+    def _incident(self, restart: int, new, fault: dict) -> Incident:
+        first_step_done = float(new["progress_mono"].max())
+        started = float(new["start_mono"].min())
+        timing = state.read_json(self.job.restart_timing_file) or {}
+        t_fault = fault.get("fault_mono", fault.get("detected_mono"))
+        requested = fault.get("requested_mono") or timing.get("stop_begin")
+        breakdown = {
+            "detect_s": _delta(t_fault, fault.get("detected_mono")),
+            "capture_s": fault.get("capture_s", 0.0),
+            "checkpoint_s": fault.get("checkpoint_s", 0.0),
+            "teardown_s": _delta(requested, timing.get("stop_end")),
+            "rendezvous_s": timing.get("rendezvous_s"),
+            "load_s": _delta(timing.get("workers_started"), self._gen_ready or started),
+            "first_step_s": _delta(self._gen_ready or started, first_step_done),
+        }
+        recovery_s = _delta(t_fault, first_step_done)
+        parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in breakdown.items() if v is not None)
+        if (new["step_source"] == slots.STEP_REPORTED).all():
+            # The script numbers its steps: its first step after the restart
+            # says where it resumed.
+            resumed_at = int(new["first_step"][new["first_step"] > 0].min(initial=int(new["step"].min()))) - 1
+            lost = max(0, self._last_step - resumed_at)
+            where = f"resumed from step {resumed_at} (lost {lost} step{'s' if lost != 1 else ''})"
+        else:
+            resumed_at, lost = None, None
+            where = ("the script restarted from its own checkpoint, if it keeps one "
+                     "(trainwatch counts its steps from 0 in every new process)")
+        return Incident(
+            kind="restart",
+            culprit_ranks=fault.get("culprit_ranks") or [],
+            summary=f"restart {restart}: {where}"
+            + (f", back to training {recovery_s:.1f}s after the fault" if recovery_s is not None else "")
+            + (f" ({parts})" if parts else ""),
+            severity="info",
+            runbook=None,
+            evidence={"restart": restart, "resumed_from_step": resumed_at, "last_step_before": self._last_step,
+                      "steps_lost": lost, "recovery_s": recovery_s, "breakdown": breakdown,
+                      "cause": fault.get("kind")},
+            key=f"restart:{restart}",
+            detected_mono=self.clock(),
+        )

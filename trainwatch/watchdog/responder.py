@@ -1,0 +1,251 @@
+"""What happens about an incident, off the detection loop: capture, verdict,
+emergency checkpoint, restart request.
+
+The sidecar's tick only detects: an incident is printed and recorded the
+moment it is found, then handed here with what the tick knew (`Response`).
+One worker thread works through them, so detection, the history and the
+exporter keep running during a capture and checkpoint that take seconds.
+Each action's result is appended to events.jsonl as it finishes (an `action`
+record naming the incident's id; JobDir.incidents() merges them).
+
+Order matters: stacks first (the evidence disappears with the processes), then
+the emergency checkpoint (the state disappears with them too), then the
+restart request, which the agent carries out through torchelastic.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from trainwatch import rankrow, slots, state
+from trainwatch.diagnostics.verdict import decide
+from trainwatch.capture import capture_ranks
+from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
+
+log = logging.getLogger("trainwatch.sidecar")
+
+CAPTURE_KINDS = frozenset({"hang", "collective_mismatch"})
+"""Incidents that trigger an all-rank stack capture and a verdict."""
+RESTART_KINDS = frozenset({"hang", "collective_mismatch", "xid", "ecc"})
+"""Incidents the sidecar restarts the job for. Crashes restart through
+torchelastic directly (the agent sees the exit); stragglers and loss
+incidents only alert: restarting would not fix them and would lose work."""
+RESTART_IN_FLIGHT_S = 30.0
+"""After a restart request, further incidents are recorded, said, and not acted on this long (s)."""
+_SEVERITY = {"info": 0, "low": 1, "medium": 2, "high": 3, "critical": 4}
+
+
+@dataclass(kw_only=True, slots=True)
+class ActionPolicy:
+    """Which incidents restart the job, and how long captures and checkpoints may take."""
+
+    restart: bool = True
+    """Restart the job on hangs, mismatches and critical GPU faults; off = alert only."""
+    restart_kinds: frozenset = field(default_factory=lambda: RESTART_KINDS)
+    """Incident kinds that lead to an emergency checkpoint and a restart (names)."""
+    capture: bool = True
+    """Capture every rank's stacks on hang and mismatch incidents."""
+    capture_timeout_s: float = 5.0
+    """Hard bound on one rank's py-spy dump (s)."""
+    emergency_timeout_s: float = 10.0
+    """How long ranks that registered state get to write their emergency checkpoint (s)."""
+    min_severity_restart: str = "high"
+    """Hardware incidents below this severity (info, low, medium, high, critical) only alert."""
+
+    def __post_init__(self) -> None:
+        if self.min_severity_restart not in _SEVERITY:
+            raise ValueError(f"--min-severity-restart must be one of {', '.join(_SEVERITY)}; "
+                             f"got {self.min_severity_restart!r}")
+        if not self.emergency_timeout_s > 0:
+            raise ValueError(f"--emergency-timeout-s must be > 0; got {self.emergency_timeout_s}")
+
+
+class RestartGate:
+    """Whether an incident restarts the job: policy, one request per episode,
+    and never the same fault at the same step twice in a row."""
+
+    def __init__(self, policy: ActionPolicy, clock: Callable[[], float] = time.monotonic):
+        self.policy = policy
+        self.clock = clock
+        self.requested_at: float | None = None
+        self._last_cause: tuple | None = None
+        """(kind, culprits, step, generation) of the incident the last restart was for."""
+
+    def decide(self, record: dict, step: int | None, generation: int) -> tuple[bool, str | None]:
+        """(restart?, why not, when worth saying)."""
+        kind = record.get("kind")
+        if not self.policy.restart or kind not in self.policy.restart_kinds:
+            return False, None
+        if kind in ("xid", "ecc"):
+            if _SEVERITY.get(record.get("severity", "medium"), 2) < _SEVERITY[self.policy.min_severity_restart]:
+                return False, None
+        # One restart request per episode: the agent is already tearing down.
+        # Once the new worker generation is up, that restart is over.
+        if self.requested_at is not None and self._last_cause is not None and generation > self._last_cause[3]:
+            self.requested_at = None
+        if self.requested_at is not None:
+            ago = self.clock() - self.requested_at
+            if ago < RESTART_IN_FLIGHT_S:
+                return False, f"not restarting again: the restart requested {ago:.1f} s ago is under way"
+        cause = (kind, tuple(record.get("culprit_ranks") or ()), step, generation)
+        last = self._last_cause
+        if last is not None and cause[:3] == last[:3] and step is not None and generation > last[3]:
+            return False, (
+                f"not restarting: the same {kind} (culprit {_ranks(cause[1])} at step {step}) came back after "
+                f"restart {generation}; restarting again would replay it, so trainwatch only alerts now "
+                f"(fix the cause, then relaunch)"
+            )
+        self._last_cause = cause
+        self.requested_at = self.clock()
+        return True, None
+
+
+@dataclass(slots=True)
+class Response:
+    """One incident to act on, with what the detecting tick knew."""
+
+    record: dict
+    """The incident as recorded (with its id)."""
+    restart: bool
+    """Decided at detection: request a restart once the evidence and state are saved."""
+    generation: int
+    """The worker generation the incident is about."""
+    span: Any = None
+    """The incident's OpenTelemetry span, opened at detection."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ResponderContext:
+    """What the responder needs of the job, passed in explicitly."""
+
+    job: state.JobDir
+    segment: slots.Segment
+    node: str
+    incidents: Callable[[], list[dict]]
+    """The job's incidents so far (for the verdict)."""
+    add_timings: Callable[..., None]
+    """Tell the restart tracker how long the capture and checkpoint took."""
+    out: Any
+    tracer: Any = None
+
+
+class Responder:
+    """A worker thread that captures, judges, checkpoints and asks for restarts."""
+
+    def __init__(self, policy: ActionPolicy, ctx: ResponderContext):
+        self.policy = policy
+        self.ctx = ctx
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def submit(self, response: Response) -> None:
+        self._idle.clear()
+        self._queue.put(response)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="trainwatch-responder", daemon=True)
+            self._thread.start()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every submitted incident was handled; False on timeout."""
+        return self._idle.wait(timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            response = self._queue.get()
+            if response is None:
+                return
+            try:
+                self.respond(response)
+            except Exception:  # one failed response must not end the responder
+                log.exception("trainwatch: responding to %s failed", response.record.get("kind"))
+            finally:
+                if self._queue.empty():
+                    self._idle.set()
+
+    def respond(self, response: Response) -> dict:
+        record, ctx = response.record, self.ctx
+        kind = record.get("kind")
+        results: dict = {}
+        t0 = time.monotonic()
+        if self.policy.capture and kind in CAPTURE_KINDS:
+            results.update(self.capture(record))
+        if response.restart:
+            t1 = time.monotonic()
+            results["checkpoint"] = request_emergency_checkpoint(ctx.segment, self.policy.emergency_timeout_s)
+            t2 = time.monotonic()
+            results["restart"] = self.request_restart(record, response.generation)
+            ctx.add_timings(capture_s=round(t1 - t0, 3), checkpoint_s=round(t2 - t1, 3),
+                            requested_mono=time.monotonic())
+        if results:
+            ctx.job.append_event({"kind": "action", "incident": record.get("id"), "time": time.time(), **results})
+            print(f"[trainwatch] {kind} {record.get('id')}: {describe(results)}", file=ctx.out, flush=True)
+        if ctx.tracer is not None and response.span is not None:
+            ctx.tracer.finish(response.span, results)
+        return results
+
+    def capture(self, record: dict) -> dict:
+        ctx = self.ctx
+        t0 = time.monotonic()
+        rows = rankrow.rows_json(rankrow.decode(ctx.segment.read_table(), time.monotonic(), ctx.node))
+        groups, where, failed = capture_ranks(rows, job=ctx.job, label=str(record.get("kind")),
+                                              timeout_s=self.policy.capture_timeout_s)
+        v = decide(rows, groups, ctx.incidents() + [record], [])
+        return {
+            "capture": {"dir": str(where), "seconds": round(time.monotonic() - t0, 3), "ranks": len(rows),
+                        "failed": failed},
+            "stack_groups": [
+                {"ranks": list(g.ranks), "category": g.category, "pattern": g.pattern_id, "frames": list(g.frames[:5])}
+                for g in groups
+            ],
+            "verdict": v.to_json(),
+        }
+
+    def request_restart(self, record: dict, generation: int) -> dict:
+        request = {
+            "reason": str(record.get("summary") or record.get("kind")),
+            "kind": record.get("kind"),
+            "incident": record.get("id"),
+            "time": time.time(),
+            # The worker generation this is about: a request that arrives after the
+            # agent already restarted for another reason must not restart again.
+            "generation": generation,
+        }
+        state.write_json_atomic(self.ctx.job.restart_request_file, request)
+        return {"requested": True}
+
+
+def describe(results: dict) -> str:
+    """One console line of what the responder did."""
+    parts = []
+    cap = results.get("capture")
+    if cap:
+        v = results.get("verdict") or {}
+        who = ",".join(str(r) for r in v.get("culprit_ranks") or []) or "-"
+        parts.append(f"stacks of {cap.get('ranks')} rank(s) in {cap.get('seconds')}s, verdict {v.get('category')} "
+                     f"(culprit {who})")
+    ck = results.get("checkpoint")
+    if ck:
+        if ck.get("skipped"):
+            parts.append(f"no emergency checkpoint ({ck['skipped']})")
+        else:
+            parts.append(f"emergency checkpoint of step {ck.get('step')} by {len(ck.get('written') or {})} of "
+                         f"{len(ck.get('requested') or [])} rank(s) in {ck.get('seconds')}s")
+    if (results.get("restart") or {}).get("requested"):
+        parts.append("restart requested")
+    return "; ".join(parts)
+
+
+def _ranks(ranks) -> str:
+    return ",".join(str(r) for r in ranks) or "-"
