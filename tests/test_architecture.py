@@ -14,8 +14,8 @@ PKG = ROOT / "trainwatch"
 
 # What each part may import (besides itself); see docs/architecture.md.
 BASE = {"trainwatch.slots", "trainwatch.env", "trainwatch.flags", "trainwatch.usage", "trainwatch.historyfile",
-        "trainwatch.checkpoint", "trainwatch.diagnostics"}
-LEVEL2 = BASE | {"trainwatch.rankrow", "trainwatch.state", "trainwatch.capture", "trainwatch"}
+        "trainwatch.checkpoint", "trainwatch.diagnostics", "trainwatch.procctl", "trainwatch.netbind"}
+LEVEL2 = BASE | {"trainwatch.rankrow", "trainwatch.state", "trainwatch.capture", "trainwatch.liveness", "trainwatch"}
 ALLOWED = {
     "trainwatch.diagnostics": {"trainwatch.diagnostics", "trainwatch.slots"},
     "trainwatch.slots": set(),
@@ -24,6 +24,9 @@ ALLOWED = {
     "trainwatch.usage": set(),
     "trainwatch.historyfile": set(),
     "trainwatch.checkpoint": set(),
+    "trainwatch.procctl": set(),
+    "trainwatch.netbind": set(),
+    "trainwatch.liveness": BASE | {"trainwatch.state"},
     "trainwatch.rankrow": BASE,
     "trainwatch.state": BASE,
     "trainwatch.capture": BASE | {"trainwatch.state"},

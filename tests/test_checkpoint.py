@@ -225,3 +225,48 @@ def test_sigkill_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
     save_checkpoint(ckpt_dir, 3, {"step": 3})
     assert not tmp.exists()
     assert find_latest(ckpt_dir).step == 3
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("new_complete", [True, False])
+def test_killed_between_the_renames_of_a_resave_loses_no_checkpoint(tmp_path: Path, new_complete: bool) -> None:
+    """A same-step re-save moves the old copy aside, then renames the new one in;
+    a process killed between the two leaves neither under the final name."""
+    pid = dead_pid()
+    old = save_checkpoint(tmp_path / "a", 7, make_state(1))
+    new = save_checkpoint(tmp_path / "b", 7, make_state(2))
+    old.rename(tmp_path / f".tmp-old-step-00000007-{pid}")
+    if not new_complete:
+        (new / "state.pt").write_bytes(b"torn")
+    new.rename(tmp_path / f".tmp-step-00000007-{pid}")
+    removed = remove_stale_temp(tmp_path)
+    expected = make_state(2 if new_complete else 1)
+    assert torch.equal(load_checkpoint(tmp_path / "step-00000007")["model"]["w"], expected["model"]["w"])
+    assert len(removed) == 1  # the copy that lost: the old one, or the torn new one
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-old")]
+
+
+def test_disk_full_is_a_one_line_error_that_keeps_earlier_checkpoints(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from trainwatch.checkpoint import CheckpointError, save_checkpoint
+        save_checkpoint({str(tmp_path)!r}, 1, {{"w": torch.zeros(16)}})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a full disk: writes fail with an error
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        try:
+            save_checkpoint({str(tmp_path)!r}, 2, {{"w": torch.zeros(1 << 16)}})
+        except CheckpointError as e:
+            print(e)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip()
+    assert line.count("\n") == 0 and "cannot write checkpoint" in line and "free" in line, line
+    assert "earlier checkpoints are kept" in line
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+    assert verify_checkpoint(tmp_path / "step-00000001").step == 1

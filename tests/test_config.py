@@ -65,6 +65,9 @@ def test_a_config_file_of_the_wrong_shape_is_a_clear_error(tmp_path):
     (["--inject", "hang:step=-3"], "step must be >= 1"),
     (["--job", ""], "--job must be"),
     (["--job", "name\n"], "--job must be"),
+    (["--rdzv-endpoint", ":abc"], "--rdzv-endpoint must be HOST or HOST:PORT"),
+    (["--rdzv-endpoint", "10.0.0.1:99999"], "--rdzv-endpoint must be HOST or HOST:PORT"),
+    (["--inject", "xid:rank=0,code=-1"], "code must be an Xid number"),
 ])
 def test_bad_values_are_one_line_launch_errors(argv, needle):
     with pytest.raises(LaunchError) as e:

@@ -138,6 +138,7 @@ def test_clear_resets_slot(segment):
 def test_bad_segment_file_is_a_clear_error(tmp_path):
     p = tmp_path / "junk"
     p.write_bytes(b"x" * 4096)
+    p.chmod(0o600)
     with pytest.raises(ValueError, match="unknown slot layout"):
         slots.Segment(str(p))
 
@@ -268,3 +269,25 @@ def test_stable_group_ids_mean_the_same_group_on_every_rank():
     assert stable_group_id("0") == 0 and stable_group_id("3") == 3
     hashed = stable_group_id("a3f9c2e1")
     assert hashed >= 1 << 30 and hashed == stable_group_id("a3f9c2e1")
+
+
+def test_a_planted_segment_is_refused_never_followed(tmp_path) -> None:
+    """/dev/shm is world-writable: a path someone else put there first is not ours."""
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious")
+    link = tmp_path / "trainwatch-seg.slots"
+    link.symlink_to(target)
+    with pytest.raises(ValueError, match="already exists"):
+        slots.create_segment(str(link), 2)
+    with pytest.raises(ValueError, match="symlink"):
+        slots.Segment(str(link))
+    assert target.read_bytes() == b"precious"
+    path = str(tmp_path / "shared.slots")
+    slots.create_segment(path, 2)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    os.chmod(path, 0o666)  # readable and writable by anyone: not a private segment
+    with pytest.raises(ValueError, match="not a private regular file"):
+        slots.Segment(path)
+    with pytest.raises(ValueError, match="not a private regular file"):  # a device or pipe
+        os.mkfifo(tmp_path / "fifo", 0o600)
+        slots.Segment(str(tmp_path / "fifo"))

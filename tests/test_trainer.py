@@ -274,3 +274,48 @@ def test_resume_past_max_steps_has_nothing_to_do(runs) -> None:
     proc = run_trainer(*TINY, "--max-steps", str(STEPS), "--ckpt-dir", str(runs["straight"][0]))
     assert proc.returncode == 0, proc.stderr
     assert "nothing to do" in proc.stdout
+
+
+def test_auto_resume_falls_back_past_a_checkpoint_of_another_model(tmp_path: Path) -> None:
+    first = run_trainer(*TINY, "--max-steps", "4", "--ckpt-interval", "4", "--ckpt-dir", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    # A newer checkpoint that verifies but holds another model's weights.
+    foreign = save_checkpoint(tmp_path, 50, {"step": 50, "model": {"w": torch.zeros(3)}, "optimizer": {}}, keep=None)
+    proc = run_trainer(*TINY, "--max-steps", "6", "--ckpt-interval", "100", "--ckpt-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert f"skipping checkpoint {foreign}" in proc.stderr and "another model" in proc.stderr
+    assert done_line(proc).group(1) == "5", proc.stdout  # resumed after step 4, not from scratch
+    explicit = run_trainer(*TINY, "--max-steps", "6", "--resume", str(foreign))
+    assert_usage_error(explicit, "saved for another model")
+    assert (foreign / "state.pt").is_file()  # nothing already written is lost
+
+
+def test_resume_accepts_the_state_file_inside_a_checkpoint(tmp_path: Path) -> None:
+    first = run_trainer(*TINY, "--max-steps", "3", "--ckpt-interval", "3", "--ckpt-dir", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    state_file = tmp_path / "step-00000003" / "state.pt"
+    check = run_trainer(*TINY, "--max-steps", "5", "--resume", str(state_file), "--check")
+    assert check.returncode == 0, check.stderr
+    proc = run_trainer(*TINY, "--max-steps", "5", "--resume", str(state_file))
+    assert proc.returncode == 0, proc.stderr
+    assert done_line(proc).group(1) == "4"
+
+
+def test_launch_refuses_a_checkpoint_of_another_model_before_starting_ranks(tmp_path: Path) -> None:
+    """Checksums pass, the weights do not fit: one line and exit 2 from the launcher,
+    instead of every rank failing and being restarted into the same error."""
+    foreign = save_checkpoint(tmp_path / "ck", 9, {"step": 9, "model": {"w": torch.zeros(3)}, "optimizer": {}})
+    env = clean_env()
+    env["TRAINWATCH_HOME"] = str(tmp_path / "home")
+    proc = subprocess.run([str(Path(sys.executable).parent / "trainwatch"), "launch", "--job", "misfit",
+                           "--nproc-per-node", "1", "-m", "trainwatch.trainer", *TINY, "--resume", str(foreign)],
+                          env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert_usage_error(proc, "saved for another model")
+    assert not (tmp_path / "home" / "jobs" / "misfit" / "job.json").exists()  # no rank was started
+
+
+def test_a_collective_broken_by_a_dead_peer_is_one_line_not_a_traceback() -> None:
+    from trainwatch.trainer.__main__ import peer_lost
+
+    assert peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:41346."))
+    assert not peer_lost(RuntimeError("CUDA error: an illegal memory access was encountered"))

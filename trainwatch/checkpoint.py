@@ -30,14 +30,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 FORMAT = 1
 KINDS = ("periodic", "emergency")
 MANIFEST = "manifest.json"
 _OWNER = ".owner"
 _NAME_RE = re.compile(r"^step-(\d{8,})(?:-emergency-r(\d+))?$")
-_TEMP_RE = re.compile(r"^\.tmp-(?:old-)?step-\d{8,}(?:-emergency-r\d+)?-(\d+)$")
+_TEMP_RE = re.compile(r"^\.tmp-(old-)?(step-\d{8,}(?:-emergency-r\d+)?)-(\d+)$")
 _HASH_CHUNK = 1 << 20
 
 
@@ -206,8 +206,12 @@ def save_checkpoint(
             pass  # a leftover mark inside a complete checkpoint is harmless
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        if "unexpected pos" in reason or "file write failed" in reason:  # torch's words for a short write
+            reason = "a short write: the disk is full or a file-size limit was reached"
         raise CheckpointError(
-            f"cannot write checkpoint {final} ({e.strerror or e}); free space or pass a writable --ckpt-dir"
+            f"cannot write checkpoint {final} ({reason}; {_free_space(root)} free); earlier checkpoints are "
+            "kept; free space or pass a writable --ckpt-dir"
         ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -227,28 +231,59 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _free_space(root: Path) -> str:
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return "unknown space"
+    return f"{free / 2**20:.1f} MiB" if free < 2**30 else f"{free / 2**30:.1f} GiB"
+
+
 def remove_stale_temp(ckpt_dir: str | os.PathLike) -> list[Path]:
-    """Delete temp directories of saves whose process is gone (killed mid-write)."""
+    """Delete temp directories of saves whose process is gone (killed mid-write).
+
+    A save of a step that already existed moves the old copy aside before the
+    new one takes its name; killed between the two renames, neither has the
+    name. The complete new copy, else the old one, is put back first: a
+    checkpoint that was on disk is never deleted by a crash.
+    """
+    root = Path(ckpt_dir)
     removed = []
     host = socket.gethostname()
     try:
-        entries = list(Path(ckpt_dir).iterdir())
+        entries = sorted(root.iterdir(), key=lambda e: not e.name.startswith(".tmp-old-"))
     except OSError:
         return removed
     for entry in entries:
         m = _TEMP_RE.match(entry.name)
-        if not m or not entry.is_dir():
+        if not m or not entry.is_dir() or entry.is_symlink():
             continue
-        pid = int(m.group(1))
+        pid = int(m.group(3))
         try:
             owner = (entry / _OWNER).read_text().strip()
         except OSError:
             owner = host  # killed before the mark was written (or a renamed-away old copy)
         if owner != host or pid == os.getpid() or _pid_alive(pid):
             continue
+        final = root / m.group(2)
+        if m.group(1) and not final.exists():
+            new = root / f".tmp-{m.group(2)}-{pid}"
+            source = new if next(valid_checkpoints(root, warn=lambda _: None, paths=[new]), None) else entry
+            _restore_final(source, final)
+            if source is entry and final.exists():
+                continue
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     return removed
+
+
+def _restore_final(path: Path, final: Path) -> None:
+    try:
+        (path / _OWNER).unlink(missing_ok=True)
+        os.rename(path, final)
+        _fsync_dir(final.parent)
+    except OSError:
+        pass
 
 
 def _complete(path: Path) -> bool:
@@ -307,38 +342,55 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_manifest(path: Path) -> Any:
+    """The parsed manifest.json of checkpoint directory `path`; CheckpointError when unreadable."""
+    try:
+        return json.loads((path / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else (
+            "nested too deep" if isinstance(e, RecursionError) else str(e).splitlines()[0] if str(e) else "")
+        raise CheckpointError(f"{path}/{MANIFEST} is unreadable ({reason})") from None
+
+
 def verify_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     """Check a checkpoint directory's manifest and checksums; raise CheckpointError."""
     path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST})") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}/{MANIFEST} is unreadable ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    manifest = _read_manifest(path)
+    if not isinstance(manifest, dict) or not _is_int(manifest.get("format")) or manifest["format"] != FORMAT:
         raise CheckpointError(f"{path}/{MANIFEST} has an unknown format (expected format {FORMAT})")
     files = manifest.get("files")
     step = manifest.get("step")
-    if not isinstance(files, dict) or not files or not isinstance(step, int):
+    if not isinstance(files, dict) or not files or not _is_int(step) or step < 0:
         raise CheckpointError(f"{path}/{MANIFEST} lists no files or no step")
     problems = []
     for name, meta in files.items():
         file = path / name
-        if "/" in name or name.startswith("."):
-            problems.append(f"{name}: bad file name")
+        if not name or "/" in name or name.startswith(".") or any(c < " " for c in name):
+            problems.append(f"{name!r}: bad file name")
+            continue
+        if not isinstance(meta, dict) or not _is_int(meta.get("bytes")) or not isinstance(meta.get("sha256"), str):
+            problems.append(f"{name!r}: no size and sha256 in the manifest")
             continue
         try:
             size = file.stat().st_size
-        except OSError as e:
-            problems.append(f"{name}: {e.strerror or e}")
+            digest = _sha256(file) if size == meta["bytes"] else None
+        except (OSError, ValueError) as e:  # ValueError: a name the filesystem cannot hold
+            problems.append(f"{name!r}: {getattr(e, 'strerror', None) or e}")
             continue
-        if size != meta.get("bytes"):
-            problems.append(f"{name}: {size} bytes, manifest says {meta.get('bytes')}")
-        elif _sha256(file) != meta.get("sha256"):
+        if digest is None:
+            problems.append(f"{name}: {size} bytes, manifest says {meta['bytes']}")
+        elif digest != meta["sha256"]:
             problems.append(f"{name}: sha256 mismatch")
         else:
             kind = manifest.get("kind", "periodic")
+            if kind not in KINDS:  # the directory's name says which kind it is
+                kind = "emergency" if _NAME_RE.match(path.name) and "-emergency-" in path.name else "periodic"
             return CheckpointInfo(path=path, step=step, kind=kind, file=file, manifest=manifest)
     raise CheckpointError(f"{path} is corrupt ({'; '.join(problems)})")
 
@@ -346,13 +398,20 @@ def verify_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
 def find_latest(ckpt_dir: str | os.PathLike, *, warn: Callable[[str], None] | None = None) -> CheckpointInfo | None:
     """The newest checkpoint that verifies, or None; corrupt or truncated ones newer
     than it are skipped with a one-line warning (default: to stderr)."""
+    return next(valid_checkpoints(ckpt_dir, warn=warn), None)
+
+
+def valid_checkpoints(ckpt_dir: str | os.PathLike, *, warn: Callable[[str], None] | None = None,
+                      paths: list[Path] | None = None) -> Iterator[CheckpointInfo]:
+    """Every checkpoint that verifies, newest first (a resume falls back to an
+    older one when the newest cannot be loaded); corrupt ones are skipped with
+    a one-line warning (default: to stderr). `paths`: these directories instead."""
     warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    for path, _step, _kind, _rank in _candidates(Path(ckpt_dir)):
+    for path in paths if paths is not None else [c[0] for c in _candidates(Path(ckpt_dir))]:
         try:
-            return verify_checkpoint(path)
+            yield verify_checkpoint(path)
         except CheckpointError as e:
             warn(f"warning: skipping checkpoint: {e}")
-    return None
 
 
 def load_checkpoint(path_or_info: CheckpointInfo | str | os.PathLike) -> dict:
@@ -388,8 +447,7 @@ def load_checkpoint(path_or_info: CheckpointInfo | str | os.PathLike) -> dict:
 
 
 def _manifest_files(path: Path) -> dict:
-    try:
-        files = json.loads((path / MANIFEST).read_text()).get("files")
-    except (OSError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path / MANIFEST} is unreadable ({e})") from None
-    return files if isinstance(files, dict) else {}
+    """{file name: {"sha256", "bytes"}} of a manifest; entries of the wrong shape left out."""
+    manifest = _read_manifest(path)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    return {name: meta for name, meta in files.items() if isinstance(meta, dict)} if isinstance(files, dict) else {}

@@ -42,3 +42,14 @@ FRESH_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 reads the previous attempt's addresses and fails to connect (torch 2.13)."""
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 """Set by torchelastic in every worker: the worker group's generation."""
+
+RUN = "TRAINWATCH_RUN"
+"""The run's id (one per `trainwatch launch`): records in the job's control files carry it,
+and a run only acts on its own."""
+
+LAUNCHER_PID = "TRAINWATCH_LAUNCHER_PID"
+"""The launcher's pid: ranks and the sidecar stop when their parent is no longer it."""
+
+STORE_BIND = "TRAINWATCH_STORE_BIND"
+"""Address rank 0's TCPStore listens on (the launcher sets 127.0.0.1 for a single-node
+job): the worker group's store is not reachable from the machine's other addresses."""

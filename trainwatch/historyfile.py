@@ -17,8 +17,9 @@ reads fine.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 COLUMNS = ("rank", "step", "loss", "step_s", "phase", "age_s", "ratio")
 
@@ -38,13 +39,35 @@ def read_samples(paths: Iterable[Path]) -> list[dict]:
         for line in data.splitlines():
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
-            if (isinstance(record, dict) and isinstance(record.get("t"), (int, float))
+            if (isinstance(record, dict) and _number(record.get("t")) is not None
                     and isinstance(record.get("r"), list)):
                 samples.append(record)
     samples.sort(key=lambda s: s["t"])
     return samples
+
+
+def _number(value: Any) -> int | float | None:
+    """A finite JSON number as it is; None for anything else (true, NaN, 1e999, a string)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        return value if math.isfinite(value) else None
+    except OverflowError:  # an integer too large for a float
+        return None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+# How each column is read: a value of the wrong type reads as unknown (null).
+_READERS = {"step": _int, "loss": _number, "step_s": _number, "phase": _text, "age_s": _number, "ratio": _number}
 
 
 def per_rank(samples: list[dict]) -> dict[int, dict[str, list]]:
@@ -53,10 +76,10 @@ def per_rank(samples: list[dict]) -> dict[int, dict[str, list]]:
     series: dict[int, dict[str, list]] = {}
     for sample in samples:
         for row in sample["r"]:
-            if not isinstance(row, list) or len(row) != len(COLUMNS) or not isinstance(row[0], int):
+            if not isinstance(row, list) or len(row) != len(COLUMNS) or _int(row[0]) is None:
                 continue
             s = series.setdefault(row[0], {c: [] for c in ("t",) + COLUMNS[1:]})
             s["t"].append(sample["t"])
             for name, value in zip(COLUMNS[1:], row[1:]):
-                s[name].append(value)
+                s[name].append(_READERS[name](value))
     return dict(sorted(series.items()))

@@ -154,24 +154,39 @@ def _get(d: dict, name: str, kind: type | tuple, default: Any = None) -> Any:
     return value if isinstance(value, kind) else default
 
 
+def _num(d: dict, name: str, default: float | None = None) -> float | None:
+    """A finite number field as a float; NaN, infinities, integers too large for a float read as unknown."""
+    value = _get(d, name, (int, float))
+    if value is None:
+        return default
+    try:
+        value = float(value)
+    except OverflowError:
+        return default
+    return value if math.isfinite(value) else default
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def from_json(d: Any) -> RankRow | None:
     """A RankRow from telemetry.json (written by a sidecar, read by anyone):
     None for a record of the wrong shape; wrong-typed fields read as unknown."""
-    if not isinstance(d, dict) or not isinstance(d.get("rank"), int) or isinstance(d.get("rank"), bool):
+    if not isinstance(d, dict) or not _is_int(d.get("rank")):
         return None
-    num = (int, float)
     groups = []
     for g in d.get("groups") if isinstance(d.get("groups"), list) else ():
-        if isinstance(g, dict) and all(isinstance(g.get(k), int) for k in ("pg", "enqueued", "completed")):
-            groups.append(slots.CollectiveGroup(g["pg"], g["enqueued"], g["completed"], str(g.get("last_op") or "")))
+        if isinstance(g, dict) and all(_is_int(g.get(k)) for k in ("pg", "enqueued", "completed")):
+            groups.append(slots.CollectiveGroup(g["pg"], g["enqueued"], g["completed"], _get(g, "last_op", str, "")))
     return RankRow(
         rank=d["rank"], local_rank=_get(d, "local_rank", int, 0), node=_get(d, "node", str, ""),
         pid=_get(d, "pid", int, 0), restart=_get(d, "restart", int, 0), step=_get(d, "step", int, 0),
-        step_source=_get(d, "step_source", str, "counted"), loss=_get(d, "loss", num),
-        grad_norm=_get(d, "grad_norm", num), step_s=_get(d, "step_s", num), compute_s=_get(d, "compute_s", num),
-        phase=_get(d, "phase", str, "init"), last_progress_s=float(_get(d, "last_progress_s", num, 0.0)),
-        last_step_s=float(_get(d, "last_step_s", num, 0.0)), phase_s=float(_get(d, "phase_s", num, 0.0)),
-        heartbeat_age_s=_get(d, "heartbeat_age_s", num), cpu_s=_get(d, "cpu_s", num),
+        step_source=_get(d, "step_source", str, "counted"), loss=_num(d, "loss"),
+        grad_norm=_num(d, "grad_norm"), step_s=_num(d, "step_s"), compute_s=_num(d, "compute_s"),
+        phase=_get(d, "phase", str, "init"), last_progress_s=_num(d, "last_progress_s", 0.0),
+        last_step_s=_num(d, "last_step_s", 0.0), phase_s=_num(d, "phase_s", 0.0),
+        heartbeat_age_s=_num(d, "heartbeat_age_s"), cpu_s=_num(d, "cpu_s"),
         py_collectives=_get(d, "py_collectives", int, 0), batches=_get(d, "batches", int, 0),
         groups=tuple(groups[: slots.MAX_GROUPS]),
     )

@@ -23,8 +23,10 @@ aligned 8-byte words, each of which is whole on its own.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -265,9 +267,19 @@ def default_segment_dir() -> str:
 
 
 def create_segment(path: str, nslots: int) -> None:
-    """Create (or reset) a zeroed segment file with room for nslots ranks."""
+    """Create a new zeroed segment file with room for nslots ranks, mode 0600.
+
+    /dev/shm is world-writable: the path must not exist yet (every run names
+    its own segment), so a file or symlink someone planted there is refused,
+    never followed or reused."""
     size = HEADER_SIZE + nslots * SLOT_SIZE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise ValueError(f"refusing to use {path}: it already exists (planted, or left by a run that "
+                         "did not clean up); remove it if no trainwatch job of yours uses it") from None
+    except OSError as e:
+        raise ValueError(f"cannot create the slot segment {path} ({e.strerror})") from None
     try:
         os.ftruncate(fd, size)
         os.pwrite(fd, HEADER.pack(MAGIC, LAYOUT_VERSION, nslots, SLOT_SIZE), 0)
@@ -280,9 +292,18 @@ class Segment:
 
     def __init__(self, path: str):
         self.path = path
-        fd = os.open(path, os.O_RDWR)
         try:
-            size = os.fstat(fd).st_size
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ValueError(f"refusing to open {path}: it is a symlink, not a segment trainwatch created") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise ValueError(f"refusing to open {path}: not a private regular file of this user "
+                                 f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it")
             if size < HEADER_SIZE:
                 raise ValueError(f"{path} is not a trainwatch slot segment (too small)")
             self._mm = mmap.mmap(fd, size)
@@ -292,6 +313,9 @@ class Segment:
         if magic != MAGIC or version != LAYOUT_VERSION or slot_size != SLOT_SIZE:
             self._mm.close()
             raise ValueError(f"{path} has an unknown slot layout (magic={magic!r}, version={version})")
+        if nslots < 1:
+            self._mm.close()
+            raise ValueError(f"{path} is not a usable slot segment: its header claims {nslots} slots")
         if HEADER_SIZE + nslots * SLOT_SIZE > size:
             self._mm.close()
             raise ValueError(f"{path} is truncated: its header claims {nslots} slots, the file holds fewer")

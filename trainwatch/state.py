@@ -5,6 +5,7 @@
       jobs/<job>/                 one JobDir: every path below is composed there and nowhere else
         job.json                  launcher-owned record: pids, ranks, status, metrics address
         launch.json               marker of a launcher still starting (before job.json)
+        launch.lock               flock held by the live run's launcher (trainwatch.liveness)
         sidecar.json              sidecar-owned record: its pid and metrics address
         events.jsonl              incidents (and their actions' results), append-only
         telemetry.json            the last per-rank view (what diagnose reads once the job ended)
@@ -24,6 +25,7 @@ missing, a bad line of a .jsonl file is skipped.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -121,18 +123,35 @@ def append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
+MAX_NESTING = 64
+"""Deepest nesting a reader accepts: trainwatch writes a handful of levels, and
+deeper junk would only break whoever prints or re-encodes the record."""
+
+
+def nested_too_deep(value: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether lists and objects in value nest deeper than limit (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 def read_json(path: Path) -> dict | None:
-    """A JSON object from path; None when missing, unreadable, not JSON or not an object."""
+    """A JSON object from path; None when missing, unreadable, not JSON, not an object or nested absurdly deep."""
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read())
     except (OSError, ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) else None
+    return data if isinstance(data, dict) and not nested_too_deep(data) else None
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a .jsonl file; torn, garbled and non-object lines skipped."""
+    """The JSON objects of a .jsonl file; torn, garbled, non-object and absurdly deep lines skipped."""
     try:
         raw = Path(path).read_bytes()
     except OSError:
@@ -143,9 +162,62 @@ def read_jsonl(path: Path) -> list[dict]:
             record = json.loads(line)
         except (ValueError, RecursionError):
             continue  # a torn last line from a crash is skipped, not fatal
-        if isinstance(record, dict):
+        if isinstance(record, dict) and not nested_too_deep(record):
             out.append(record)
     return out
+
+
+def is_int(value: Any) -> bool:
+    """An integer read from JSON (true and false are not numbers)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def finite_number(value: Any) -> float | None:
+    """value as a finite float, None when it is not a number (or NaN, infinite, too large)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+_INCIDENT_TEXT = ("time", "summary", "runbook", "category", "severity", "node", "job", "key")
+_VERDICT_TEXT = ("category", "summary", "runbook")
+
+
+def _rank_list(record: dict, key: str) -> None:
+    if key in record:
+        if isinstance(record[key], list):
+            record[key] = [r for r in record[key] if is_int(r)]
+        else:
+            del record[key]
+
+
+def _drop_wrong(record: dict, keys: tuple[str, ...], kind: type) -> None:
+    for key in keys:
+        if record.get(key) is not None and not isinstance(record[key], kind):
+            del record[key]
+
+
+def typed_incident(record: dict) -> dict:
+    """An events.jsonl incident as its readers use it: a field of the wrong type
+    (a culprit list that is a string, evidence that is a number) reads as missing."""
+    _drop_wrong(record, _INCIDENT_TEXT, str)
+    _drop_wrong(record, ("evidence", "restart", "verdict"), dict)
+    _rank_list(record, "culprit_ranks")
+    _rank_list(record, "victims")
+    verdict = record.get("verdict")
+    if isinstance(verdict, dict):
+        _drop_wrong(verdict, _VERDICT_TEXT, str)
+        _rank_list(verdict, "culprit_ranks")
+        if "confidence" in verdict and finite_number(verdict["confidence"]) is None:
+            del verdict["confidence"]
+        if "evidence" in verdict:
+            evidence = verdict["evidence"]
+            verdict["evidence"] = [e for e in evidence if isinstance(e, str)] if isinstance(evidence, list) else []
+    return record
 
 
 def safe_filename(name: str, default: str = "node") -> str:
@@ -164,6 +236,7 @@ class JobDir:
         self.path = (root if root is not None else home()) / "jobs" / job
         self.job_file = self.path / "job.json"
         self.launch_file = self.path / "launch.json"
+        self.lock_file = self.path / "launch.lock"
         self.sidecar_file = self.path / "sidecar.json"
         self.events_file = self.path / "events.jsonl"
         self.telemetry_file = self.path / "telemetry.json"
@@ -188,6 +261,17 @@ class JobDir:
         for sub in (self.stacks_dir, self.control_dir):
             sub.mkdir(mode=0o700, exist_ok=True)
         return self
+
+    def start_run(self) -> None:
+        """A new run takes the name: the control records of earlier runs (exits,
+        restart requests and timings, fired faults, the sidecar's record) go, so
+        nothing of theirs is ever replayed as this run's."""
+        for path in (self.exits_file, self.restart_request_file, self.restart_timing_file, self.faults_file,
+                     self.sidecar_file):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
 
     def exists(self) -> bool:
         return self.job_file.is_file() or self.launch_file.is_file()
@@ -223,7 +307,7 @@ class JobDir:
             out.append(record)
             if record.get("id") is not None:
                 by_id[str(record["id"])] = record
-        return out
+        return [typed_incident(record) for record in out]
 
     def telemetry(self) -> dict:
         return read_json(self.telemetry_file) or {}
@@ -266,13 +350,22 @@ class JobDir:
 def live_status(job: dict) -> str:
     """A job.json left 'running' by a launcher that was SIGKILLed is reported as lost."""
     status = job.get("status", "?")
+    if not isinstance(status, str):
+        return "?"
     if status in ("running", "starting", "restarting"):
-        import psutil
-
-        pid = job.get("launcher_pid")
-        if not isinstance(pid, int) or pid <= 0 or not psutil.pid_exists(pid):
+        if not pid_alive(job.get("launcher_pid")):
             return "lost"
-    return str(status)
+    return status
+
+
+def pid_alive(pid: Any) -> bool:
+    """Whether pid, as read from a file, names a live process (true, "12", -1 and 1e30 do not)."""
+    import psutil
+
+    try:
+        return is_int(pid) and pid > 0 and psutil.pid_exists(pid)
+    except (OverflowError, ValueError):  # a pid no process can have
+        return False
 
 
 def list_jobs() -> list[dict]:

@@ -10,6 +10,12 @@ from typing import NoReturn
 EXIT_USAGE = 2
 
 
+def printable(text: str) -> str:
+    """text as a terminal or pipe takes it: characters UTF-8 cannot encode (lone
+    surrogates from a non-UTF-8 command line read back from JSON) become '?'."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def fail(message: str, code: int = EXIT_USAGE) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code

@@ -99,6 +99,8 @@ def parse(spec: str) -> FaultSpec:
             fault.params["code"] = int(fault.params["code"])
         except ValueError:
             raise InjectError(f"--inject {kind}: code must be an integer, got {fault.params['code']!r}") from None
+        if not 1 <= fault.params["code"] <= 999:
+            raise InjectError(f"--inject {kind}: code must be an Xid number 1..999, got {fault.params['code']}")
     return fault
 
 

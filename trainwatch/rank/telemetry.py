@@ -14,14 +14,15 @@ import logging
 import math
 import mmap
 import os
+import signal
 import threading
 import time
 from typing import Any, Callable
 
-from trainwatch import env, slots
+from trainwatch import env, procctl, slots
 from trainwatch.inject.faults import armed_faults
 from trainwatch.inject.hooks import NO_FAULTS, FaultHooks
-from trainwatch.rank import collectives, flightrec
+from trainwatch.rank import collectives, flightrec, store
 from trainwatch.rank.slotwriter import SlotWriter
 
 log = logging.getLogger("trainwatch")
@@ -383,9 +384,20 @@ def init() -> Telemetry:
         else:
             # Faults fire on the first run only: a restarted job must be able to recover.
             faults = armed_faults(os.environ.get(env.INJECT), rank) if restart == 0 else NO_FAULTS
+            # Launched by trainwatch: never outlive the launcher (a SIGKILLed
+            # launcher would leave ranks training, unwatched, forever).
+            launcher = os.environ.get(env.LAUNCHER_PID, "")
+            procctl.die_with_parent(signal.SIGKILL, int(launcher) if launcher.isdigit() else None)
+            # Past a file-size limit (ulimit -f) a write should fail with EFBIG,
+            # which the checkpoint code reports, not kill the rank with SIGXFSZ.
+            try:
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            except ValueError:
+                pass  # init() outside the main thread: signals are not ours to set
             tw = Telemetry(segment, local_rank, rank=rank, world_size=world, restart=restart, attached=True,
                            faults=faults)
             collectives.install(tw)
+            store.install()
             tw.start_sampler()
             atexit.register(tw.close)
         _instance = tw

@@ -12,7 +12,7 @@ import dataclasses
 import sys
 from typing import NoReturn, Sequence
 
-from trainwatch.checkpoint import CheckpointError, ensure_writable, verify_checkpoint
+from trainwatch.checkpoint import CheckpointError, ensure_writable, load_checkpoint
 from trainwatch.flags import field_docs, flag
 from trainwatch.trainer.config import DEVICES, MODEL_PRESETS, PRECISIONS, TrainConfig, UsageError, resolve
 
@@ -64,13 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check(cfg: TrainConfig) -> None:
-    """What `--check` verifies: a resolvable config, a verified --resume checkpoint,
-    a writable --ckpt-dir. Raises UsageError / CheckpointError."""
+    """What `--check` verifies: a resolvable config, a --resume checkpoint that
+    verifies and fits this model, a writable --ckpt-dir. Raises UsageError /
+    CheckpointError. The same code resumes, so what passes here loads there."""
     if cfg.resume not in ("auto", "never"):
         try:
-            verify_checkpoint(cfg.resume)
+            from trainwatch.trainer.train import misfit  # torch: only when there is a checkpoint to check
+
+            problem = misfit(load_checkpoint(cfg.resume), cfg)
         except (CheckpointError, OSError) as e:
             raise UsageError(f"--resume {cfg.resume}: {e}; pass a valid checkpoint, or --resume auto") from None
+        if problem:
+            raise UsageError(f"--resume {cfg.resume}: {problem}, or --resume auto / never")
     if cfg.ckpt_dir:
         ensure_writable(cfg.ckpt_dir)
 
@@ -93,7 +98,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except RuntimeError as e:
+        if not peer_lost(e):
+            raise
+        print(f"error: lost contact with another rank ({str(e).splitlines()[0][:160]}); that rank's own "
+              "error above says why", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
     return 0
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted",
+             "NCCL Error 6", "remote process exited or there was a network error")
+EXIT_PEER_LOST = 1
+
+
+def peer_lost(e: BaseException) -> bool:
+    """A collective that failed because another rank died: a consequence, not a cause
+    (one line, no traceback: the rank that died first explains)."""
+    return any(marker in str(e) for marker in PEER_LOST)
 
 
 if __name__ == "__main__":

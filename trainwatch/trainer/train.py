@@ -128,7 +128,11 @@ def _resume_state(cfg: TrainConfig, rt: Runtime) -> tuple[dict | None, str | Non
         return None, None
     if cfg.resume != "auto":
         try:
-            return ckpt.load_checkpoint(cfg.resume), cfg.resume
+            state = ckpt.load_checkpoint(cfg.resume)
+            problem = misfit(state, cfg)
+            if problem:
+                raise ckpt.CheckpointError(problem)
+            return state, cfg.resume
         except ckpt.CheckpointError as e:
             raise ckpt.CheckpointError(
                 f"--resume: {e}; pass a valid checkpoint directory, or --resume auto or never"
@@ -136,10 +140,38 @@ def _resume_state(cfg: TrainConfig, rt: Runtime) -> tuple[dict | None, str | Non
     if not cfg.ckpt_dir:
         return None, None
     warn = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rt.rank == 0 else (lambda msg: None)
-    info = ckpt.find_latest(cfg.ckpt_dir, warn=warn)
-    if info is None:
-        return None, None
-    return ckpt.load_checkpoint(info), str(info.path)
+    # The newest checkpoint that verifies and fits this model; an older one
+    # when the newest cannot be loaded (another model size, a torn file).
+    for info in ckpt.valid_checkpoints(cfg.ckpt_dir, warn=warn):
+        try:
+            state = ckpt.load_checkpoint(info)
+            problem = misfit(state, cfg)
+        except ckpt.CheckpointError as e:
+            problem = str(e)
+        if problem is None:
+            return state, str(info.path)
+        warn(f"warning: skipping checkpoint {info.path}: {problem}; trying the next older one")
+    return None, None
+
+
+def misfit(state: dict, cfg: TrainConfig) -> str | None:
+    """Why a checkpoint's state cannot be loaded into this config's model and
+    optimizer (None when it can): checked on shapes alone, with no weights allocated."""
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "step" not in state:
+        return "it is not a trainer checkpoint (no model state or step)"
+    saved = state.get("config") if isinstance(state.get("config"), dict) else {}
+    with torch.device("meta"):
+        expected = GPT(MODEL_PRESETS[cfg.model_size]).state_dict()
+    got = state["model"]
+    if set(got) != set(expected) or any(
+            not isinstance(got[k], torch.Tensor) or got[k].shape != v.shape for k, v in expected.items()):
+        size = saved.get("model_size")
+        hint = f"pass --model-size {size}" if size and size != cfg.model_size else "pass the flags it was saved with"
+        return f"it was saved for another model (its weights do not fit --model-size {cfg.model_size}); {hint}"
+    groups = (state.get("optimizer") or {}).get("param_groups") if isinstance(state.get("optimizer"), dict) else None
+    if not isinstance(groups, list) or len(groups) != 2:
+        return "its optimizer state does not fit this trainer's optimizer"
+    return None
 
 
 def _restore(state: dict, where: str, model: GPT, opt: torch.optim.Optimizer, rt: Runtime, cfg: TrainConfig) -> int:

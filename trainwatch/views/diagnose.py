@@ -15,10 +15,10 @@ from typing import Any
 
 import psutil
 
-from trainwatch import rankrow, slots, state
+from trainwatch import liveness, rankrow, slots, state
 from trainwatch.capture import capture_ranks
 from trainwatch.diagnostics import verdict as verdict_mod
-from trainwatch.usage import Parser, fail
+from trainwatch.usage import Parser, fail, printable
 
 
 STARTUP_GRACE_S = 120.0
@@ -27,7 +27,7 @@ stops saying `starting` and judges their stacks like any other."""
 
 
 def job_is_live(job: dict) -> bool:
-    return state.live_status(job) in ("running", "starting", "restarting")
+    return liveness.status_of(job) in liveness.LIVE_STATUSES
 
 
 def read_ranks(job: dict, job_dir: state.JobDir) -> list[dict]:
@@ -40,8 +40,9 @@ def read_ranks(job: dict, job_dir: state.JobDir) -> list[dict]:
         except (OSError, ValueError):
             seg = None
         if seg is not None:
+            node = job.get("node") if isinstance(job.get("node"), str) else ""
             try:
-                rows = rankrow.rows_json(rankrow.decode(seg.read_table(), time.monotonic(), str(job.get("node") or "")))
+                rows = rankrow.rows_json(rankrow.decode(seg.read_table(), time.monotonic(), node))
             finally:
                 seg.close()
     if not rows:
@@ -55,15 +56,14 @@ def launch_marker(job_dir: state.JobDir) -> dict | None:
     rec = state.read_json(job_dir.launch_file)
     if rec is None:
         return None
-    pid = rec.get("launcher_pid")
-    return rec if isinstance(pid, int) and pid > 0 and psutil.pid_exists(pid) else None
+    return rec if state.pid_alive(rec.get("launcher_pid")) else None
 
 
 def phase_of_job(job: dict, ranks: list[dict], live: bool) -> str:
     """running, starting (ranks importing, no step yet), restarting, finished
     (every rank done while the launcher wraps up), or job.json's status."""
     if not live:
-        return job.get("status", "unknown")
+        return job["status"] if isinstance(job.get("status"), str) else "unknown"
     if job.get("status") == "restarting":
         return "restarting"
     expected = len(job.get("ranks") or []) if isinstance(job.get("ranks"), list) else 0
@@ -84,16 +84,20 @@ def hardware_findings(incidents: list[dict]) -> list[dict]:
     for i in incidents:
         if i.get("kind") in ("xid", "ecc"):
             ev = i.get("evidence") or {}
+
+            def text(key: str) -> str | None:
+                return ev[key] if isinstance(ev.get(key), str) else None
+
             out.append(
                 {
-                    "gpu": ev.get("gpu"),
-                    "xid": ev.get("xid"),
-                    "meaning": ev.get("meaning") or i.get("summary"),
+                    "gpu": ev.get("gpu") if isinstance(ev.get("gpu"), (int, str)) else None,
+                    "xid": ev.get("xid") if state.is_int(ev.get("xid")) else None,
+                    "meaning": text("meaning") or i.get("summary"),
                     "severity": i.get("severity"),
                     "rank": next(iter(i.get("culprit_ranks") or []), None),
-                    "action": ev.get("action"),
+                    "action": text("action"),
                     "kind": i.get("kind"),
-                    "evidence": ev.get("line"),
+                    "evidence": text("line"),
                 }
             )
     return out
@@ -117,6 +121,7 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
         raise state.StateError(
             f"unknown job {job_name!r}; known jobs: {', '.join(known) if known else 'none'} (see `trainwatch jobs`)"
         )
+    job["status"] = liveness.status(job_dir, job)  # a run whose launcher died is `lost` (and reaped)
     incidents = job_dir.incidents()
     live = job_is_live(job)
     ranks = read_ranks(job, job_dir)
@@ -143,7 +148,7 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
 
 
 def _num(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) else 0.0
+    return state.finite_number(value) or 0.0
 
 
 def _verdict(job, status, live, ranks, groups, incidents, hardware) -> verdict_mod.Verdict:
@@ -297,5 +302,5 @@ def main(argv: list[str], out=None) -> int:
     if as_json:
         print(json.dumps(report, indent=2, default=str), file=out)
     else:
-        print(render(report), file=out)
+        print(printable(render(report)), file=out)
     return 0

@@ -6,12 +6,20 @@ from __future__ import annotations
 import json
 import time
 
-from trainwatch import state
-from trainwatch.usage import Parser
+from trainwatch import liveness, state
+from trainwatch.usage import Parser, printable
 
 
 def _text(value: object, default: str = "") -> str:
     return value if isinstance(value, str) else default
+
+
+def _started(value: object) -> str:
+    start = state.finite_number(value)
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(start)) if start is not None else "-"
+    except (OverflowError, OSError, ValueError):  # a time no calendar holds
+        return "-"
 
 
 def main(argv: list[str]) -> int:
@@ -20,19 +28,18 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     jobs = state.list_jobs()
     for j in jobs:
-        j["status"] = state.live_status(j)
+        j["status"] = liveness.status_of(j)
     if args.json:
         print(json.dumps(jobs, indent=2, default=str))
         return 0
     if not jobs:
-        print(f"no jobs under {state.home() / 'jobs'}")
+        print(printable(f"no jobs under {state.home() / 'jobs'}"))
         return 0
     print(f"{'JOB':<36} {'STATUS':<10} {'RANKS':>5} {'RESTARTS':>8}  {'STARTED':<19}  ENTRYPOINT")
     for j in jobs:
-        start = j.get("start_time")
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(start)) if isinstance(start, (int, float)) else "-"
+        started = _started(j.get("start_time"))
         ranks = j.get("ranks") if isinstance(j.get("ranks"), list) else []
-        restarts = j.get("restarts") if isinstance(j.get("restarts"), int) else 0
-        print(f"{_text(j.get('job'), '?'):<36} {j['status']:<10} {len(ranks):>5} {restarts:>8}  {started:<19}  "
-              f"{_text(j.get('entrypoint'))}")
+        restarts = j.get("restarts") if state.is_int(j.get("restarts")) else 0
+        print(printable(f"{_text(j.get('job'), '?'):<36} {j['status']:<10} {len(ranks):>5} {restarts:>8}  "
+                        f"{started:<19}  {_text(j.get('entrypoint'))}"))
     return 0

@@ -13,26 +13,31 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 import re
+import stat
 import statistics
+import sys
 import time
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from trainwatch import rankrow, state
-from trainwatch.usage import Parser, fail
+from trainwatch import liveness, rankrow, state
+from trainwatch.usage import Parser, fail, printable
 
 MAX_POINTS = 2000
 """Per rank and series on the page; longer histories are thinned evenly."""
 VERDICT_KINDS = ("hang", "collective_mismatch", "crash", "xid", "ecc", "loss_nan")
+MAX_RANKS = 1 << 20
+"""A job.json world size above this is junk, not a job."""
 
 
 def _event_time(event: dict) -> float | None:
     try:
         return datetime.fromisoformat(str(event.get("time"))).timestamp()
-    except ValueError:
+    except (ValueError, OverflowError, OSError):  # not a time, or one no calendar holds
         return None
 
 
@@ -101,9 +106,9 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
     last = [s["t"][-1] for s in series.values() if s["t"]]
     # The time axis spans the job and everything recorded about it (a job
     # relaunched under the same name keeps its earlier history and events).
-    start = min([float(record.get("start_time") or now)] + first + [e["t"] for e in events[:1]])
-    end = float(record.get("end_time") or 0) or max(last + [start])
-    status = state.live_status(record)
+    start = min([state.finite_number(record.get("start_time")) or now] + first + [e["t"] for e in events[:1]])
+    end = state.finite_number(record.get("end_time")) or max(last + [start])
+    status = liveness.status_of(record)
     if status == "running":
         end = max(end, now)
     end = max([end] + last + [e["t"] for e in events[-1:]])
@@ -113,15 +118,19 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
     steps = [x for s in series.values() for x in s["step"] if x is not None]
     if not steps:
         steps = [r["step"] for r in rankrow.rows_from_json(d.telemetry().get("ranks"))]
+    # job.json fields of the wrong type (or absurd size) read as missing.
+    world = next((n for n in (record.get("world_size"), record.get("nproc_per_node"))
+                  if state.is_int(n) and 0 < n <= MAX_RANKS), 0)
+    restarts = record.get("restarts")
     return {
         "job": job,
         "status": status,
-        "entrypoint": str(record.get("entrypoint") or ""),
-        "ranks": sorted(series) or list(range(int(record.get("world_size") or record.get("nproc_per_node") or 0))),
+        "entrypoint": record["entrypoint"] if isinstance(record.get("entrypoint"), str) else "",
+        "ranks": sorted(series) or list(range(world)),
         "start": start,
         "end": end,
         "steps": max(steps) if steps else 0,
-        "restarts": int(record.get("restarts") or kinds.get("restart", 0)),
+        "restarts": restarts if state.is_int(restarts) and restarts > 0 else kinds.get("restart", 0),
         "kinds": dict(sorted(kinds.items())),
         "verdict": _last_verdict(events),
         "events": events,
@@ -133,15 +142,24 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
 
 
 def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
     seconds = max(0, int(seconds))
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
 
 
+def _fmt_time(t: float) -> str:
+    try:
+        return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+    except (ValueError, OverflowError, OSError, TypeError):  # a time no calendar holds
+        return "-"
+
+
 def render(data: dict[str, Any]) -> str:
     esc = html.escape
-    started = datetime.fromtimestamp(data["start"]).strftime("%Y-%m-%d %H:%M:%S")
+    started = _fmt_time(data["start"])
     kinds = ", ".join(f"{esc(k)} {n}" for k, n in data["kinds"].items()) or "none"
     verdict = data["verdict"]
     if verdict is not None:
@@ -169,7 +187,7 @@ def render(data: dict[str, Any]) -> str:
         "ENTRY": esc(data["entrypoint"]),
         "FACTS": facts_html,
         "VERDICT": verdict_html,
-        "GENERATED": esc(datetime.fromtimestamp(data["generated"]).strftime("%Y-%m-%d %H:%M:%S")),
+        "GENERATED": esc(_fmt_time(data["generated"])),
         "STYLE": asset("report.css"),
         "SCRIPT": asset("report.js"),
         "DATA": payload,
@@ -198,7 +216,8 @@ def main(argv: list[str]) -> int:
     p = Parser(prog="trainwatch report", description="Write one self-contained HTML page of a job.",
                usage_hint="usage: trainwatch report JOB [--out FILE.html]")
     p.add_argument("job")
-    p.add_argument("--out", type=Path, default=None, help="HTML file to write (default: jobs/<job>/report.html)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="HTML file to write (default: jobs/<job>/report.html; '-': stdout; a symlink: its target)")
     args = p.parse_args(argv)
     try:
         data = collect(args.job)
@@ -210,15 +229,50 @@ def main(argv: list[str]) -> int:
         return fail(f"unknown job {args.job!r} under {state.home() / 'jobs'}; known jobs: "
                      f"{', '.join(map(str, known)) if known else 'none'} (see `trainwatch jobs`; "
                      "set TRAINWATCH_HOME if the job ran elsewhere)")
-    if out.is_dir():
+    # Lone surrogates (a non-UTF-8 command line in job.json) become '?': the page is still written.
+    page = render(_sanitize(data)).encode("utf-8", "replace")
+    points = sum(len(s["t"]) for s in data["series"].values())
+    facts = (f"{len(data['ranks'])} ranks, {data['samples']} samples, {points} points, "
+             f"{len(data['events'])} incidents")
+    if args.out is not None and str(args.out) == "-":
+        sys.stdout.flush()
+        stream = getattr(sys.stdout, "buffer", None)
+        if stream is not None:
+            stream.write(page)
+            stream.flush()
+        else:
+            sys.stdout.write(page.decode("utf-8"))
+            sys.stdout.flush()
+        print(printable(f"wrote the page to stdout ({facts})"), file=sys.stderr)
+        return 0
+    try:
+        st = out.stat()  # of what the path names, through any symlink
+    except FileNotFoundError:
+        st = None  # a new file (or a symlink to one)
+    except OSError as e:
+        return fail(f"cannot write {out} ({e.strerror or e}); pick a writable --out path")
+    if st is not None and stat.S_ISDIR(st.st_mode):
         return fail(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
+    if st is not None and stat.S_ISBLK(st.st_mode):
+        return fail(f"--out {out} is a block device; give a file name such as report.html")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # A terminal, /dev/stdout, /dev/null, a pipe: written through, never replaced.
+        try:
+            with open(out, "wb") as f:
+                f.write(page)
+        except OSError as e:
+            return fail(f"cannot write {out} ({e.strerror or e}); pick a writable --out path")
+        print(printable(f"wrote {out} ({facts})"), file=sys.stderr)
+        return 0
+    target, via = out, ""
+    if out.is_symlink():
+        # Deliberately: the link stays, the file it points to gets the page.
+        target, via = Path(os.path.realpath(out)), f" through the symlink {out}"
     try:
         # The default lives in the private state directory; a chosen --out
         # file is the user's, with their umask.
-        state.write_atomic(out, render(_sanitize(data)), mode=0o600 if args.out is None else 0o666)
+        state.write_atomic(target, page, mode=0o600 if args.out is None else 0o666)
     except OSError as e:
-        return fail(f"cannot write {out} ({e.strerror or e}); pick a writable --out path")
-    points = sum(len(s["t"]) for s in data["series"].values())
-    print(f"wrote {out} ({len(data['ranks'])} ranks, {data['samples']} samples, {points} points, "
-          f"{len(data['events'])} incidents)")
+        return fail(f"cannot write {target}{via} ({e.strerror or e}); pick a writable --out path")
+    print(printable(f"wrote {target}{via} ({facts})"))
     return 0

@@ -4,6 +4,7 @@ often, what next. Printed by the launcher at exit."""
 from __future__ import annotations
 
 from trainwatch import state
+from trainwatch.usage import printable
 
 
 def failure_summary(job: str, restarts: int, max_restarts: int) -> str:
@@ -24,4 +25,4 @@ def failure_summary(job: str, restarts: int, max_restarts: int) -> str:
         if runbook:
             lines.append(f"  next: trainwatch runbook {runbook}")
     lines.append(f"  details: trainwatch diagnose {job}")
-    return "\n".join(lines)
+    return printable("\n".join(lines))

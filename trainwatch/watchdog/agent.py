@@ -24,6 +24,8 @@ from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 
 log = logging.getLogger("trainwatch")
 
+USAGE_EXIT = 2
+"""Exit code of a worker that cannot go on as set up (trainwatch's and argparse's usage errors)."""
 TEARDOWN_S = 5.0
 """Grace a worker gets after SIGTERM before SIGKILL (torchelastic waits 30 s). Its
 state was already saved by the emergency checkpoint; waiting longer only delays
@@ -31,11 +33,12 @@ the restart."""
 
 
 class TrainwatchAgent(LocalElasticAgent):
-    def __init__(self, *args: Any, job: str, segment: slots.Segment, sidecar: Any = None,
+    def __init__(self, *args: Any, job: str, segment: slots.Segment, run_id: str = "", sidecar: Any = None,
                  on_event: Callable[[str, dict], None] | None = None, emergency_timeout_s: float = 10.0,
                  **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.job = job
+        self.run_id = run_id
         self.segment = segment
         self.sidecar = sidecar
         self.node = socket.gethostname()
@@ -45,6 +48,7 @@ class TrainwatchAgent(LocalElasticAgent):
         self.max_backoff_s = 30.0
         self.emergency_timeout_s = emergency_timeout_s
         self._survivors_saved = -1
+        self._usage_failures = 0
         self._first_failed: set[int] = set()
 
     # ---- worker lifecycle ---------------------------------------------------------
@@ -123,6 +127,7 @@ class TrainwatchAgent(LocalElasticAgent):
             self.sidecar.ensure_running()
         if result.state == WorkerState.FAILED:
             self._report_exits(worker_group, result)
+            self._stop_on_repeated_usage_error(result)
         elif result.state == WorkerState.HEALTHY:
             request = self._take_restart_request()
             if request is not None:
@@ -130,6 +135,24 @@ class TrainwatchAgent(LocalElasticAgent):
                 self._on_event("restart_requested", request)
                 return RunResult(state=WorkerState.UNHEALTHY)
         return result
+
+    def _stop_on_repeated_usage_error(self, result: RunResult) -> None:
+        """A worker that exits with code 2 says the job cannot go on as set up
+        (a bad flag, a full disk, a checkpoint that does not fit): restarting
+        replays it. It gets one restart (the cause may have been transient),
+        never a second into the same failure."""
+        # The ranks that failed first say why; the others fail because a peer left.
+        codes = ({f.exitcode for f in result.failures.values() if f.local_rank in self._first_failed}
+                 or {f.exitcode for f in result.failures.values()})
+        if codes != {USAGE_EXIT}:
+            return
+        if self._usage_failures and self._remaining_restarts > 0:
+            usage = sorted(r for r, f in result.failures.items() if f.exitcode == USAGE_EXIT)
+            print(f"[trainwatch] rank{'s' if len(usage) > 1 else ''} {','.join(map(str, usage))} failed with exit code "
+                  f"{USAGE_EXIT} again after a restart (their own error line above says why); not restarting "
+                  "into the same failure", flush=True)
+            self._remaining_restarts = 0
+        self._usage_failures += 1
 
     def _report_exits(self, worker_group: WorkerGroup, result: RunResult) -> None:
         by_rank = {w.global_rank: w for w in worker_group.workers}
@@ -150,6 +173,7 @@ class TrainwatchAgent(LocalElasticAgent):
                     "exitcode": failure.exitcode,
                     "signal_name": signal_name,
                     "node": self.node,
+                    "run": self.run_id,
                     "time": time.time(),
                     "first": (worker.local_rank if worker else failure.local_rank) in self._first_failed,
                 }
@@ -192,6 +216,9 @@ class TrainwatchAgent(LocalElasticAgent):
             os.unlink(self.dir.restart_request_file)
         except OSError:
             pass
+        if request.get("run") != self.run_id:
+            log.warning("trainwatch: ignoring a restart request of another run of this job (%s)", request.get("reason"))
+            return None
         generation = request.get("generation", self.restart_count)
         if not isinstance(generation, int) or generation != self.restart_count:
             log.warning("trainwatch: ignoring a restart request for an earlier worker group (%s)", request.get("reason"))

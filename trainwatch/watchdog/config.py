@@ -70,9 +70,12 @@ class SidecarConfig:
     def read(cls, path: Path) -> SidecarConfig:
         """The config the launcher wrote; ValueError naming the file when it is not one."""
         try:
-            return cls.from_json(json.loads(Path(path).read_text()))
+            return cls.from_json(json.loads(Path(path).read_bytes()))
+        except RecursionError:
+            raise ValueError(f"{path}: not a trainwatch sidecar config (nested too deep)") from None
         except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"{path}: not a trainwatch sidecar config ({e})") from None
+            reason = repr(str(e))[1:-1]  # one line: a field name read from the file may hold a newline
+            raise ValueError(f"{path}: not a trainwatch sidecar config ({reason})") from None
 
 
 def launch_flags() -> list[flags.Flag]:

@@ -7,13 +7,23 @@ slot table into metric families, so a job that is never scraped pays nothing.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Iterator, Protocol
+from wsgiref.simple_server import make_server
 
 import numpy as np
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 from prometheus_client.registry import Collector
 
 from trainwatch.rankrow import RankRow
+
+IDLE_TIMEOUT_S = 10.0
+"""A scraper connection that sends nothing for this long is closed: idle or
+half-open connections never pile up threads in the exporter."""
+LISTEN_BACKLOG = 256
+"""Connections the kernel queues while every handler is busy (Python's default is 5)."""
 
 INCIDENT_KINDS = ("hang", "collective_mismatch", "straggler", "crash", "loss_nan", "loss_spike",
                   "grad_explosion", "xid", "ecc", "restart")
@@ -161,3 +171,22 @@ class TrainwatchCollector(Collector):
         restarts.add_metric([job, sc.node], float(sc.restarts()))
         yield restarts
         yield from sc.hardware_metrics()
+
+
+class _Handler(_SilentHandler):
+    timeout = IDLE_TIMEOUT_S
+
+
+def serve_metrics(collector: Collector, host: str, port: int):
+    """/metrics on host:port (loopback unless told otherwise), each connection on
+    its own daemon thread, with an idle timeout and a deep listen backlog."""
+
+    class Server(ThreadingWSGIServer):
+        request_queue_size = LISTEN_BACKLOG
+
+    Server.address_family, addr = _get_best_family(host, port)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server = make_server(addr, port, make_wsgi_app(registry), Server, handler_class=_Handler)
+    threading.Thread(target=server.serve_forever, name="trainwatch-exporter", daemon=True).start()
+    return server

@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 
-from trainwatch import env, slots, state
+from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.inject import spec as inject
 from trainwatch.views.summary import failure_summary
 from trainwatch.watchdog.options import LaunchConfig, LaunchError, parse, prescan_job
@@ -34,8 +34,9 @@ class SidecarProcess:
     """Starts the node sidecar and keeps it running: if it dies, training goes on
     and the agent starts a new one (the sidecar is never a single point of failure)."""
 
-    def __init__(self, config: LaunchConfig, segment_path: str, node: str):
+    def __init__(self, config: LaunchConfig, segment_path: str, node: str, run_id: str):
         self.config = config
+        self.run_id = run_id
         self.dir = state.JobDir(config.job)
         self.segment_path = segment_path
         self.node = node
@@ -58,6 +59,8 @@ class SidecarProcess:
             "--metrics-host", self.config.metrics_host,
             "--metrics-port", str(port),
             "--config", str(self.dir.sidecar_config_file),
+            "--run", self.run_id,
+            "--launcher-pid", str(os.getpid()),
         ]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         self.starts += 1
@@ -107,28 +110,40 @@ def launch(argv: list[str]) -> int:
     early = state.generate_job_name() if early is None else early
     try:
         marker = state.JobDir(early)
+        state.ensure_home()
+        lock = liveness.acquire(marker)  # one live run per job name
     except state.StateError as e:
         raise LaunchError(str(e)) from None
     marker.announce_launch()
     try:
-        return _launch(argv, early, marker)
+        return _launch(argv, early, marker, lock)
     except LaunchError:
         marker.withdraw_launch(failed=True)
         raise
 
 
-def _launch(argv: list[str], early: str, marker: state.JobDir) -> int:
+def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock) -> int:
     args, config = parse(argv, default_job=early)
-    if config.job != early:
-        marker.withdraw_launch(failed=True)
     try:
+        if config.job != early:
+            marker.withdraw_launch(failed=True)
+            lock.release()
+            lock = liveness.acquire(state.JobDir(config.job))
         job_dir = state.JobDir(config.job).create()
     except state.StateError as e:
         raise LaunchError(str(e)) from None
+    # The name is ours now: what an earlier run of it left (a segment, a target
+    # file, a job.json saying `running`) is cleaned, and its control records are
+    # not this run's.
+    previous = job_dir.read_job()
+    if previous is not None:
+        liveness.reap(job_dir, previous, locked=True)
+    job_dir.start_run()
+    run_id = uuid.uuid4().hex[:12]
 
     # torch loads only now, after the job was announced: `diagnose` knows it meanwhile.
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import config_from_args
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
     from trainwatch.watchdog.agent import TrainwatchAgent
 
@@ -136,12 +151,16 @@ def _launch(argv: list[str], early: str, marker: state.JobDir) -> int:
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
-        from torch.distributed.run import parse_min_max_nnodes
-
         if parse_min_max_nnodes(args.nnodes)[1] == 1:
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
+    # The stores are not authenticated: a single-node job's listen on loopback
+    # only; a multi-node job's on the address given by --local-addr (README).
+    single_node = parse_min_max_nnodes(str(args.nnodes))[1] == 1
+    if single_node and not args.local_addr:
+        args.local_addr = "127.0.0.1"
+    store_bind = "127.0.0.1" if single_node else args.local_addr
     if args.rdzv_id == "none":
         args.rdzv_id = config.job
     if not config.sidecar.actions.restart:
@@ -155,11 +174,20 @@ def _launch(argv: list[str], early: str, marker: state.JobDir) -> int:
 
     node = socket.gethostname()
     nslots = launch_config.nproc_per_node
-    segment_path = os.path.join(slots.default_segment_dir(), f"trainwatch-{os.getuid()}-{config.job}.slots")
-    slots.create_segment(segment_path, nslots)
-    segment = slots.Segment(segment_path)
+    # One segment per run and node: two launches never share one, whatever their homes.
+    segment_path = os.path.join(slots.default_segment_dir(),
+                                f"trainwatch-{os.getuid()}-{config.job}@{state.safe_filename(node)}-{run_id}.slots")
+    try:
+        slots.create_segment(segment_path, nslots)
+        segment = slots.Segment(segment_path)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
 
     os.environ[env.JOB] = config.job
+    os.environ[env.RUN] = run_id
+    os.environ[env.LAUNCHER_PID] = str(os.getpid())
+    if store_bind:
+        os.environ[env.STORE_BIND] = store_bind
     os.environ[env.HOME] = str(state.home().resolve())
     os.environ[env.SLOTS] = segment_path
     os.environ[env.INJECT] = inject.encode([f for f in config.faults if f.kind not in inject.HARDWARE_KINDS])
@@ -177,6 +205,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir) -> int:
     entry = " ".join([("-m " if args.module else "") + args.training_script, *args.training_script_args])
     job_dir.update_job(
         status="starting",
+        run_id=run_id,
         start_time=time.time(),
         node=node,
         nodes=[node],
@@ -194,7 +223,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir) -> int:
     marker.withdraw_launch()
     print(f"[trainwatch] job {config.job}: {entry} on {nslots} local rank(s); state in {job_dir.path}", flush=True)
 
-    sidecar = SidecarProcess(config, segment_path, node)
+    sidecar = SidecarProcess(config, segment_path, node, run_id)
     sidecar.start()
     ready = sidecar.wait_ready()
     metrics = ready.get("metrics")
@@ -208,7 +237,6 @@ def _launch(argv: list[str], early: str, marker: state.JobDir) -> int:
 
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.launcher.api import _get_addr_and_port
 
     rdzv_parameters = RendezvousParameters(
@@ -227,7 +255,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir) -> int:
         local_world_size=launch_config.nproc_per_node,
         entrypoint=cmd,
         args=tuple(cmd_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+        rdzv_handler=rendezvous_handler(rdzv_parameters, store_bind if single_node else None),
         max_restarts=launch_config.max_restarts,
         monitor_interval=launch_config.monitor_interval,
         master_addr=master_addr,
@@ -240,6 +268,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir) -> int:
         start_method=launch_config.start_method,
         log_line_prefix_template=launch_config.log_line_prefix_template,
         job=config.job,
+        run_id=run_id,
         segment=segment,
         sidecar=sidecar,
         emergency_timeout_s=config.sidecar.actions.emergency_timeout_s,
@@ -285,3 +314,49 @@ def _launch(argv: list[str], early: str, marker: state.JobDir) -> int:
     if status == "failed":
         print(failure_summary(config.job, agent.restart_count, args.max_restarts), file=sys.stderr, flush=True)
     return code
+
+
+def rendezvous_handler(params, bind: str | None):
+    """torchelastic's rendezvous handler; for a c10d rendezvous this node hosts,
+    with its store listening on `bind` only (not every interface)."""
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous import registry
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    if params.backend != "c10d":
+        return registry.get_rendezvous_handler(params)
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    timeout = timedelta(seconds=int(params.get_as_int("read_timeout", 60) or 60))
+    if not bind:
+        # Multi-node: the node that hosts the store listens on the endpoint's
+        # address only; the other nodes (and a second agent on this machine,
+        # which finds the port taken) connect as torchelastic would.
+        bind = _endpoint_address(host, params)
+        if bind is None:
+            return registry.get_rendezvous_handler(params)
+        try:
+            store = netbind.bound_store(bind, port, timeout=timeout)
+        except OSError:
+            return registry.get_rendezvous_handler(params)
+    else:
+        store = netbind.bound_store(bind, port, timeout=timeout)
+    return create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+
+
+def _endpoint_address(host: str, params) -> str | None:
+    """The local address to host the rendezvous store on, or None when this
+    node does not host it (torchelastic's own test: is_host, else the name)."""
+    try:  # private in torch; without it, leave hosting to torchelastic
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import _matches_machine_hostname
+    except ImportError:
+        return None
+    is_host = params.get_as_bool("is_host")
+    if is_host is False or (is_host is None and not _matches_machine_hostname(host)):
+        return None
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return None

@@ -163,6 +163,14 @@ def _check_torchrun_options(args: argparse.Namespace) -> None:
         raise LaunchError(f"--max-restarts must be >= 0; got {args.max_restarts}")
     if not -1 <= args.metrics_port <= 65535:
         raise LaunchError(f"--metrics-port must be 0..65535 (0 = free port, -1 = off); got {args.metrics_port}")
+    if args.rdzv_endpoint:
+        host, sep, port = str(args.rdzv_endpoint).rpartition(":")
+        if not sep:
+            host, port = port, ""
+        if not host.strip("[]") or any(c.isspace() for c in host) or port and not (
+                port.isdigit() and int(port) <= 65535):
+            raise LaunchError(f"--rdzv-endpoint must be HOST or HOST:PORT with a port 0..65535; "
+                              f"got {args.rdzv_endpoint!r}")
 
 
 def _world_size(args: argparse.Namespace) -> int | None:

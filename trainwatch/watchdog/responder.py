@@ -126,6 +126,8 @@ class ResponderContext:
     job: state.JobDir
     segment: slots.Segment
     node: str
+    run: str
+    """This run's id: the agent only obeys requests of its own run."""
     incidents: Callable[[], list[dict]]
     """The job's incidents so far (for the verdict)."""
     add_timings: Callable[..., None]
@@ -217,6 +219,7 @@ class Responder:
             "reason": str(record.get("summary") or record.get("kind")),
             "kind": record.get("kind"),
             "incident": record.get("id"),
+            "run": self.ctx.run,
             "time": time.time(),
             # The worker generation this is about: a request that arrives after the
             # agent already restarted for another reason must not restart again.

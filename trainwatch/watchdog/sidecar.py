@@ -24,14 +24,14 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from trainwatch import rankrow, slots, state
+from trainwatch import procctl, rankrow, slots, state
 from trainwatch.inject.hardware import InjectedHardwareFaults
 from trainwatch.watchdog import otel
 from trainwatch.watchdog.config import SidecarConfig
 from trainwatch.watchdog.detectors import default_detectors
 from trainwatch.watchdog.detectors.base import RankExit, TickView
 from trainwatch.watchdog.engine import DetectorEngine
-from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector
+from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, serve_metrics
 from trainwatch.watchdog.hardware import HardwareMonitor
 from trainwatch.watchdog.history import HistoryWriter
 from trainwatch.watchdog.incident import Incident
@@ -54,8 +54,12 @@ class Sidecar:
         out=None,
         respond: bool = False,
         tracer: Any = None,
+        run: str = "",
+        launcher_pid: int | None = None,
     ):
         self.job = job
+        self.run_id = run
+        self.launcher_pid = launcher_pid
         self.node = node or socket.gethostname()
         self.config = config or SidecarConfig()
         self.segment = slots.Segment(segment_path)
@@ -80,7 +84,7 @@ class Sidecar:
         self.responder: Responder | None = None
         if respond:
             self.responder = Responder(self.config.actions, ResponderContext(
-                job=self.dir, segment=self.segment, node=self.node, incidents=lambda: list(self.incidents),
+                job=self.dir, segment=self.segment, node=self.node, run=run, incidents=lambda: list(self.incidents),
                 add_timings=self.recovery.add_timings, out=self.out, tracer=tracer))
         # ~1 sample/s of every rank for `trainwatch report`; bounded in size.
         self.history = HistoryWriter(self.dir.history_file(self.node), clock=clock)
@@ -149,7 +153,7 @@ class Sidecar:
         self._exits_offset += end
         exits = []
         for line in data[:end].splitlines():
-            exit_ = _rank_exit(line, self.node)
+            exit_ = _rank_exit(line, self.node, self.run_id)
             if exit_ is not None:
                 exits.append(exit_)
         return exits
@@ -203,6 +207,11 @@ class Sidecar:
         next_at = time.monotonic()
         last_snapshot = 0.0
         while not stop.is_set():
+            if self.launcher_pid and not procctl.parent_alive(self.launcher_pid):
+                # The launcher died without stopping us: its metrics would go
+                # stale and its restart requests nobody's. Stop.
+                print("[trainwatch] the launcher is gone; the sidecar stops", file=self.out, flush=True)
+                break
             try:
                 self.tick()
                 self.history.maybe_sample(self.rows, self.straggler_ratios)
@@ -236,15 +245,22 @@ class Sidecar:
             self.tracer.shutdown()
 
 
-def _rank_exit(line: bytes, node: str) -> RankExit | None:
-    """One line of exits.jsonl as a RankExit; None for a line of the wrong shape."""
+def _rank_exit(line: bytes, node: str, run: str = "") -> RankExit | None:
+    """One line of exits.jsonl as a RankExit; None for a line of the wrong shape
+    or of another run."""
     try:
         e = json.loads(line)
-        return RankExit(rank=int(e["rank"]), local_rank=int(e["local_rank"]), pid=int(e["pid"]),
-                        exitcode=int(e["exitcode"]), signal_name=e.get("signal_name"),
-                        node=str(e.get("node", node)), first=bool(e.get("first")))
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, RecursionError):
         return None
+    ints = ("rank", "local_rank", "pid", "exitcode")  # true/false, 1.5, "3", Infinity: not a rank exit
+    if not isinstance(e, dict) or not all(isinstance(e.get(k), int) and not isinstance(e[k], bool) for k in ints):
+        return None
+    if run and e.get("run") != run:
+        return None
+    signal_name = e.get("signal_name")
+    return RankExit(rank=e["rank"], local_rank=e["local_rank"], pid=e["pid"], exitcode=e["exitcode"],
+                    signal_name=signal_name if isinstance(signal_name, str) else None,
+                    node=e["node"] if isinstance(e.get("node"), str) else node, first=e.get("first") is True)
 
 
 def _step_of(record: dict, table) -> int | None:
@@ -273,11 +289,7 @@ def process_state(pid: int) -> str | None:
 
 
 def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:
-    from prometheus_client import CollectorRegistry, start_http_server
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(TrainwatchCollector(sidecar))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    server = serve_metrics(TrainwatchCollector(sidecar), host, port)
     return f"{host}:{server.server_port}"
 
 
@@ -302,7 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--metrics-port", type=int, default=-1, help="-1 disables the exporter; 0 picks a free port")
     p.add_argument("--config", default=None, help="the SidecarConfig JSON the launcher wrote")
+    p.add_argument("--run", default="", help="the run's id: only its records are read")
+    p.add_argument("--launcher-pid", type=int, default=None, help="stop when this parent is gone")
     args = p.parse_args(argv)
+    if args.launcher_pid:
+        procctl.die_with_parent(signal.SIGTERM, args.launcher_pid)
     logging.basicConfig(level=logging.WARNING, format="[trainwatch-sidecar] %(levelname)s %(message)s")
     try:
         config = SidecarConfig.read(args.config) if args.config else SidecarConfig()
@@ -315,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
     tracer = otel.IncidentTracer.from_env(job=args.job, node=args.node)
-    sidecar = Sidecar(args.job, args.slots, node=args.node, config=config, respond=True, tracer=tracer)
+    sidecar = Sidecar(args.job, args.slots, node=args.node, config=config, respond=True, tracer=tracer, run=args.run,
+                      launcher_pid=args.launcher_pid)
     add_hardware_monitor(sidecar)
     address = None
     if args.metrics_port >= 0:

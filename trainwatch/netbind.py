@@ -1,0 +1,36 @@
+"""Listening sockets bound where they should be, for torch's TCPStore.
+
+torch's TCPStore server listens on every interface; the store is not
+authenticated, so trainwatch binds the listening socket itself (to loopback
+for a single-node job, to the given address for a multi-node one) and hands
+it over (`master_listen_fd`).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+BACKLOG = 4096
+_sockets: list[socket.socket] = []
+"""Listening sockets handed to TCPStores: kept open for the process's life."""
+
+
+def listening_socket(address: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.listen(BACKLOG)
+    _sockets.append(sock)
+    return sock
+
+
+def bound_store(address: str, port: int, *, world_size: int | None = None, timeout: Any,
+                use_libuv: bool = True) -> Any:
+    """A TCPStore server listening on address:port only (port 0: a free one)."""
+    from torch.distributed import TCPStore
+
+    sock = listening_socket(address, port)
+    return TCPStore(host_name=address, port=sock.getsockname()[1], world_size=world_size, is_master=True,
+                    timeout=timeout, multi_tenant=True, use_libuv=use_libuv, master_listen_fd=sock.fileno())
