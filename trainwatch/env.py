@@ -41,7 +41,11 @@ FRESH_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """A fresh rendezvous store per restart: with a shared one, a restarted gloo group
 reads the previous attempt's addresses and fails to connect (torch 2.13)."""
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
-"""Set by torchelastic in every worker: the worker group's generation."""
+"""Set by torchelastic in every worker: restarts this node's agent counted against its budget."""
+GENERATION = "TRAINWATCH_GENERATION"
+"""The worker group's generation, one more at every re-rendezvous whatever caused it
+(a restart here, or another node's: torchelastic does not count those), so every
+node of a job agrees on it. Ranks fall back to RESTART_COUNT without it."""
 
 RUN = "TRAINWATCH_RUN"
 """The run's id (one per `trainwatch launch`): records in the job's control files carry it,

@@ -349,18 +349,18 @@ class Segment:
 
         dt = slot_dtype()
         raw = np.frombuffer(self.buf, dtype=dt, count=self.nslots, offset=HEADER_SIZE)
-        seq = raw[["seq_a", "seq_b"]]
-        before = seq.copy()
+        # The two sequence columns alone (8 bytes a row), not the whole rows.
+        before = _seqs(raw)
         table = raw.copy()
-        after = seq.copy()
+        after = _seqs(raw)
         torn = _torn(before, after)
         for _ in range(retries):
             if not torn.any():
                 return table
             idx = np.nonzero(torn)[0]
-            before = seq[idx].copy()
+            before = _seqs(raw, idx)
             table[idx] = raw[idx]
-            after = seq[idx].copy()
+            after = _seqs(raw, idx)
             torn[idx] = _torn(before, after)
         if torn.any():
             idx = np.nonzero(torn)[0]
@@ -395,9 +395,10 @@ class Segment:
         self.buf[base : base + SLOT_SIZE] = bytes(SLOT_SIZE)
 
 
+def _seqs(raw, idx=None):
+    a, b = raw["seq_a"], raw["seq_b"]
+    return (a.copy(), b.copy()) if idx is None else (a[idx], b[idx])
+
+
 def _torn(before, after):
-    return (
-        ((before["seq_a"] | before["seq_b"]) & 1).astype(bool)
-        | (before["seq_a"] != after["seq_a"])
-        | (before["seq_b"] != after["seq_b"])
-    )
+    return ((before[0] | before[1]) & 1).astype(bool) | (before[0] != after[0]) | (before[1] != after[1])

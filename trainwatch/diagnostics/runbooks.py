@@ -39,6 +39,7 @@ PRODUCT_RUNBOOKS = (
     "finished",
     "restart-loop",
     "exporter-down",
+    "node-lost",
 )
 """Runbook ids that detectors and verdicts outside the stack catalog refer to."""
 

@@ -367,7 +367,7 @@ def init() -> Telemetry:
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        restart = int(os.environ.get(env.RESTART_COUNT, "0"))
+        restart = int(os.environ.get(env.GENERATION) or os.environ.get(env.RESTART_COUNT, "0"))
         path = os.environ.get(env.SLOTS)
         segment: Any = None
         if path:

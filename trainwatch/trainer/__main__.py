@@ -69,7 +69,7 @@ def check(cfg: TrainConfig) -> None:
     CheckpointError. The same code resumes, so what passes here loads there."""
     if cfg.resume not in ("auto", "never"):
         try:
-            from trainwatch.trainer.train import misfit  # torch: only when there is a checkpoint to check
+            from trainwatch.trainer.resume import misfit  # torch: only when there is a checkpoint to check
 
             problem = misfit(load_checkpoint(cfg.resume), cfg)
         except (CheckpointError, OSError) as e:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -27,6 +26,7 @@ from trainwatch import checkpoint as ckpt
 from trainwatch.trainer.config import MODEL_PRESETS, TrainConfig, UsageError, summary
 from trainwatch.trainer.data import get_batch, load_corpus
 from trainwatch.trainer.model import GPT, flops_per_token, peak_bf16_flops
+from trainwatch.trainer.resume import agree, checkpoint_writer, find_resume
 
 FP8_ERROR = "--precision fp8 needs a CUDA GPU and transformer-engine (pip install 'trainwatch[gpu]')"
 STATE_FORMAT = 1
@@ -122,58 +122,6 @@ def _optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.opti
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
-def _resume_state(cfg: TrainConfig, rt: Runtime) -> tuple[dict | None, str | None]:
-    """The checkpoint to start from (state, where) per --resume, or (None, None)."""
-    if cfg.resume == "never":
-        return None, None
-    if cfg.resume != "auto":
-        try:
-            state = ckpt.load_checkpoint(cfg.resume)
-            problem = misfit(state, cfg)
-            if problem:
-                raise ckpt.CheckpointError(problem)
-            return state, cfg.resume
-        except ckpt.CheckpointError as e:
-            raise ckpt.CheckpointError(
-                f"--resume: {e}; pass a valid checkpoint directory, or --resume auto or never"
-            ) from None
-    if not cfg.ckpt_dir:
-        return None, None
-    warn = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rt.rank == 0 else (lambda msg: None)
-    # The newest checkpoint that verifies and fits this model; an older one
-    # when the newest cannot be loaded (another model size, a torn file).
-    for info in ckpt.valid_checkpoints(cfg.ckpt_dir, warn=warn):
-        try:
-            state = ckpt.load_checkpoint(info)
-            problem = misfit(state, cfg)
-        except ckpt.CheckpointError as e:
-            problem = str(e)
-        if problem is None:
-            return state, str(info.path)
-        warn(f"warning: skipping checkpoint {info.path}: {problem}; trying the next older one")
-    return None, None
-
-
-def misfit(state: dict, cfg: TrainConfig) -> str | None:
-    """Why a checkpoint's state cannot be loaded into this config's model and
-    optimizer (None when it can): checked on shapes alone, with no weights allocated."""
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "step" not in state:
-        return "it is not a trainer checkpoint (no model state or step)"
-    saved = state.get("config") if isinstance(state.get("config"), dict) else {}
-    with torch.device("meta"):
-        expected = GPT(MODEL_PRESETS[cfg.model_size]).state_dict()
-    got = state["model"]
-    if set(got) != set(expected) or any(
-            not isinstance(got[k], torch.Tensor) or got[k].shape != v.shape for k, v in expected.items()):
-        size = saved.get("model_size")
-        hint = f"pass --model-size {size}" if size and size != cfg.model_size else "pass the flags it was saved with"
-        return f"it was saved for another model (its weights do not fit --model-size {cfg.model_size}); {hint}"
-    groups = (state.get("optimizer") or {}).get("param_groups") if isinstance(state.get("optimizer"), dict) else None
-    if not isinstance(groups, list) or len(groups) != 2:
-        return "its optimizer state does not fit this trainer's optimizer"
-    return None
-
-
 def _restore(state: dict, where: str, model: GPT, opt: torch.optim.Optimizer, rt: Runtime, cfg: TrainConfig) -> int:
     """Load weights, optimizer and RNG from a checkpoint state; return its step."""
     try:
@@ -233,21 +181,33 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
         ckpt.ensure_writable(cfg.ckpt_dir)
     tw = trainwatch.init()
     with tw.phase("checkpoint"):
-        state, resumed_from = _resume_state(cfg, rt)
-    first_step = 1 if state is None else int(state.get("step", 0)) + 1
+        resume = find_resume(cfg, rt.rank)
     say = (lambda msg: print(msg, flush=True)) if rt.rank == 0 else (lambda msg: None)
-    if first_step > cfg.max_steps:
-        say(f"nothing to do: checkpoint {resumed_from} is at step {first_step - 1} >= --max-steps {cfg.max_steps}")
-        return TrainResult(first_step, first_step - 1, math.nan, math.nan, 0.0, resumed_from)
+    if not rt.distributed and resume.state is not None and resume.step >= cfg.max_steps:
+        say(f"nothing to do: checkpoint {resume.where} is at step {resume.step} >= --max-steps {cfg.max_steps}")
+        return TrainResult(resume.step + 1, resume.step, math.nan, math.nan, 0.0, resume.where)
 
     if rt.device.type == "cuda":
         torch.cuda.set_device(rt.device)
         torch.set_float32_matmul_precision("high")
+    writer = rt.rank == 0
     if rt.distributed:
         tw.set_phase("init")
         dist.init_process_group("nccl" if rt.device.type == "cuda" else "gloo")
     try:
-        result = _run(cfg, rt, tw, state, resumed_from, first_step, say)
+        if rt.distributed:
+            with tw.phase("checkpoint"):
+                # Every node resumes from the same step, and each node whose
+                # --ckpt-dir rank 0 does not write to keeps its own copy.
+                resume = agree(resume, cfg, say)
+                writer = checkpoint_writer(cfg, rt.rank, rt.local_rank)
+        state, resumed_from = resume.state, resume.where
+        first_step = 1 if state is None else resume.step + 1
+        if first_step > cfg.max_steps:
+            say(f"nothing to do: checkpoint {resumed_from} is at step {first_step - 1} >= --max-steps {cfg.max_steps}")
+            return TrainResult(first_step, first_step - 1, math.nan, math.nan, 0.0, resumed_from)
+        del resume
+        result = _run(cfg, rt, tw, state, resumed_from, first_step, say, writer)
     except Exception as e:
         # A peer died or a collective failed: save the last completed step this
         # rank staged before exiting, so the restart loses nothing.
@@ -266,7 +226,8 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
     return result
 
 
-def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: str | None, first_step: int, say) -> TrainResult:
+def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: str | None, first_step: int, say,
+         writer: bool = True) -> TrainResult:
     preset = MODEL_PRESETS[cfg.model_size]
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every run
     model = GPT(preset, fp8=cfg.precision == "fp8").to(rt.device)
@@ -350,7 +311,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
             first_loss = mean_v
         final_loss = mean_v
 
-        if cfg.ckpt_dir and rt.rank == 0 and (step % cfg.ckpt_interval == 0 or step == cfg.max_steps):
+        if cfg.ckpt_dir and writer and (step % cfg.ckpt_interval == 0 or step == cfg.max_steps):
             with tw.phase("checkpoint"):
                 ckpt.save_checkpoint(
                     cfg.ckpt_dir,

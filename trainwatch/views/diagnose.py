@@ -45,8 +45,12 @@ def read_ranks(job: dict, job_dir: state.JobDir) -> list[dict]:
                 rows = rankrow.rows_json(rankrow.decode(seg.read_table(), time.monotonic(), node))
             finally:
                 seg.close()
+    telemetry = job_dir.telemetry()
     if not rows:
-        rows = rankrow.rows_from_json(job_dir.telemetry().get("ranks"))
+        rows = rankrow.rows_from_json(telemetry.get("ranks"))
+    # A multi-node job: the other nodes' ranks, as the job-wide view last saw them.
+    mine = {r.get("node") for r in rows}
+    rows += [r for r in rankrow.rows_from_json(telemetry.get("job_ranks")) if r.get("node") not in mine]
     rows.sort(key=lambda r: r["rank"])
     return rows
 
@@ -110,7 +114,8 @@ def _starting_report(job_name: str, marker: dict) -> dict:
     return _report(job_name, "starting", v, [], [], [], [])
 
 
-def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capture: bool = True) -> dict:
+def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capture: bool = True,
+            node: str | None = None) -> dict:
     job_dir = state.JobDir(job_name)
     job = job_dir.read_job()
     marker = launch_marker(job_dir)
@@ -125,17 +130,23 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
     incidents = job_dir.incidents()
     live = job_is_live(job)
     ranks = read_ranks(job, job_dir)
+    if node is not None:
+        ranks = [r for r in ranks if r.get("node") == node]
     status = phase_of_job(job, ranks, live)
     groups: list = []
     # Start-up stacks (imports, rendezvous) and finished ranks say nothing about a hang.
     if live and capture and ranks and status == "running":
         per_rank = max(1.0, min(5.0, timeout_s - 1.0))
-        groups, _where, _failed = capture_ranks(ranks, job=job_dir, label="diagnose", timeout_s=per_rank,
+        here = job.get("node") if isinstance(job.get("node"), str) else None
+        local = [r for r in ranks if here is None or r.get("node") in (here, "", None)]  # py-spy: our own pids only
+        groups, _where, _failed = capture_ranks(local, job=job_dir, label="diagnose", timeout_s=per_rank,
                                                 native=native)
     for r in ranks:
         if "state" in r:
             continue
-        if live:
+        if live and r.get("node") not in (job.get("node"), "", None):
+            r["state"] = "remote"
+        elif live:
             try:
                 r["state"] = psutil.Process(r["pid"]).status()
             except (psutil.Error, KeyError, TypeError, ValueError):
@@ -290,13 +301,14 @@ def main(argv: list[str], out=None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--native", action="store_true", help="include native frames (slower)")
     p.add_argument("--timeout", type=float, default=8.0, help="overall time budget in seconds")
+    p.add_argument("--node", default=None, help="only the ranks of this node (a multi-node job)")
     args = p.parse_args(argv)
     if not 1.0 <= args.timeout <= 3600:
         return fail(f"--timeout must be between 1 and 3600 seconds; got {args.timeout}")
     out = out or sys.stdout
     as_json = args.json
     try:
-        report = collect(args.job, native=args.native, timeout_s=args.timeout)
+        report = collect(args.job, native=args.native, timeout_s=args.timeout, node=args.node)
     except state.StateError as e:
         return fail(str(e))
     if as_json:

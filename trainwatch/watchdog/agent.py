@@ -19,7 +19,7 @@ from typing import Any, Callable
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from trainwatch import slots, state
+from trainwatch import env, slots, state
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 
 log = logging.getLogger("trainwatch")
@@ -101,6 +101,7 @@ class TrainwatchAgent(LocalElasticAgent):
         sidecar's recovery breakdown, with backoff so a job that keeps failing
         does not flap: the first restart is immediate, then 2, 4, ... s."""
         self.restart_count += 1
+        os.environ[env.GENERATION] = str(self.restart_count)  # the workers started below inherit it
         backoff = 0.0 if self.restart_count == 1 else min(self.max_backoff_s, 2.0 ** (self.restart_count - 1))
         print(f"[trainwatch] restarting worker group (restart {self.restart_count}/{worker_group.spec.max_restarts}"
               + (f", after {backoff:.0f}s backoff" if backoff else "") + ")", flush=True)

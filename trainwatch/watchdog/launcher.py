@@ -34,9 +34,10 @@ class SidecarProcess:
     """Starts the node sidecar and keeps it running: if it dies, training goes on
     and the agent starts a new one (the sidecar is never a single point of failure)."""
 
-    def __init__(self, config: LaunchConfig, segment_path: str, node: str, run_id: str):
+    def __init__(self, config: LaunchConfig, segment_path: str, node: str, run_id: str, extra: list[str] = ()):
         self.config = config
         self.run_id = run_id
+        self.extra = list(extra)
         self.dir = state.JobDir(config.job)
         self.segment_path = segment_path
         self.node = node
@@ -61,8 +62,12 @@ class SidecarProcess:
             "--config", str(self.dir.sidecar_config_file),
             "--run", self.run_id,
             "--launcher-pid", str(os.getpid()),
+            *self.extra,
         ]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        # torch's C++ store client logs a stack dump when a peer's store goes
+        # away at the end of a multi-node job; the sidecar says it in one line.
+        environ = {**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=environ)
         self.starts += 1
         if self.starts > 1:
             self.dir.update_job(sidecar_pid=self.proc.pid, sidecar_starts=self.starts)
@@ -143,6 +148,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
 
     # torch loads only now, after the job was announced: `diagnose` knows it meanwhile.
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError as RENDEZVOUS_ERRORS
     from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
     from trainwatch.watchdog.agent import TrainwatchAgent
@@ -163,6 +169,8 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     store_bind = "127.0.0.1" if single_node else args.local_addr
     if args.rdzv_id == "none":
         args.rdzv_id = config.job
+    if args.rdzv_timeout is not None:
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"join_timeout={int(args.rdzv_timeout) or 1}"]))
     if not config.sidecar.actions.restart:
         args.max_restarts = 0  # alert-only: crashes are reported, never restarted
 
@@ -172,7 +180,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         raise LaunchError(f"invalid torchrun options: {e}") from None
     cmd, cmd_args = _worker_command(args, cmd, cmd_args)
 
-    node = socket.gethostname()
+    node = args.node_name or socket.gethostname()
     nslots = launch_config.nproc_per_node
     # One segment per run and node: two launches never share one, whatever their homes.
     segment_path = os.path.join(slots.default_segment_dir(),
@@ -223,18 +231,6 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     marker.withdraw_launch()
     print(f"[trainwatch] job {config.job}: {entry} on {nslots} local rank(s); state in {job_dir.path}", flush=True)
 
-    sidecar = SidecarProcess(config, segment_path, node, run_id)
-    sidecar.start()
-    ready = sidecar.wait_ready()
-    metrics = ready.get("metrics")
-    job_dir.update_job(sidecar_pid=sidecar.proc.pid if sidecar.proc else None, metrics=metrics)
-    if metrics:
-        print(f"[trainwatch] metrics: http://{metrics}/metrics", flush=True)
-        target = state.write_scrape_target(config.job, node, metrics)
-        if target is None:
-            print(f"[trainwatch] warning: cannot write the Prometheus target under {state.targets_dir()}; "
-                  "set TRAINWATCH_TARGETS_DIR to a writable directory", flush=True)
-
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.launcher.api import _get_addr_and_port
@@ -248,6 +244,29 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         local_addr=launch_config.local_addr,
         **launch_config.rdzv_configs,
     )
+    try:
+        rdzv_handler, hosts_store = rendezvous_handler(rdzv_parameters, store_bind if single_node else None)
+    except Exception as e:  # the rendezvous host unreachable: torch's RendezvousConnectionError, ...
+        job_dir.update_job(status="failed", end_time=time.time(), exit_code=1)
+        raise LaunchError(f"cannot reach the rendezvous at {launch_config.rdzv_endpoint} "
+                          f"({type(e).__name__}); start the node hosting it first, or check --rdzv-endpoint") from None
+    # A multi-node job gets one job-wide watchdog through the rendezvous store.
+    extra = []
+    if not single_node and launch_config.rdzv_backend == "c10d":
+        extra = ["--store", _store_address(launch_config.rdzv_endpoint), "--store-namespace", launch_config.run_id]
+        extra += ["--aggregate"] if hosts_store else []
+    sidecar = SidecarProcess(config, segment_path, node, run_id, extra)
+    sidecar.start()
+    ready = sidecar.wait_ready()
+    metrics = ready.get("metrics")
+    job_dir.update_job(sidecar_pid=sidecar.proc.pid if sidecar.proc else None, metrics=metrics)
+    if metrics:
+        print(f"[trainwatch] metrics: http://{metrics}/metrics", flush=True)
+        target = state.write_scrape_target(config.job, node, metrics)
+        if target is None:
+            print(f"[trainwatch] warning: cannot write the Prometheus target under {state.targets_dir()}; "
+                  "set TRAINWATCH_TARGETS_DIR to a writable directory", flush=True)
+
     master_addr, master_port = _get_addr_and_port(rdzv_parameters)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = launch_config.signals_to_handle
     spec = WorkerSpec(
@@ -255,7 +274,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         local_world_size=launch_config.nproc_per_node,
         entrypoint=cmd,
         args=tuple(cmd_args),
-        rdzv_handler=rendezvous_handler(rdzv_parameters, store_bind if single_node else None),
+        rdzv_handler=rdzv_handler,
         max_restarts=launch_config.max_restarts,
         monitor_interval=launch_config.monitor_interval,
         master_addr=master_addr,
@@ -289,6 +308,10 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
             status, code = "succeeded", 0
     except ChildFailedError as e:
         print(f"[trainwatch] job {config.job} failed: {e}", file=sys.stderr, flush=True)
+    except RENDEZVOUS_ERRORS as e:
+        print(f"[trainwatch] job {config.job} failed: the nodes did not meet again ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); a node was lost and no replacement "
+              "joined within the rendezvous timeout (--rdzv-timeout)", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         status, code = "stopped", 130
     except Exception as e:  # SignalException from torchelastic on SIGTERM/SIGINT
@@ -327,7 +350,7 @@ def rendezvous_handler(params, bind: str | None):
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     if params.backend != "c10d":
-        return registry.get_rendezvous_handler(params)
+        return registry.get_rendezvous_handler(params), False
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     timeout = timedelta(seconds=int(params.get_as_int("read_timeout", 60) or 60))
     if not bind:
@@ -336,14 +359,19 @@ def rendezvous_handler(params, bind: str | None):
         # which finds the port taken) connect as torchelastic would.
         bind = _endpoint_address(host, params)
         if bind is None:
-            return registry.get_rendezvous_handler(params)
+            return registry.get_rendezvous_handler(params), False
         try:
             store = netbind.bound_store(bind, port, timeout=timeout)
         except OSError:
-            return registry.get_rendezvous_handler(params)
+            return registry.get_rendezvous_handler(params), False
     else:
         store = netbind.bound_store(bind, port, timeout=timeout)
-    return create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    return create_handler(store, C10dRendezvousBackend(store, params.run_id), params), True
+
+
+def _store_address(endpoint: str) -> str:
+    host, _, port = endpoint.rpartition(":")
+    return f"{host or '127.0.0.1'}:{port if port.isdigit() else 29400}" if host else f"{endpoint}:29400"
 
 
 def _endpoint_address(host: str, params) -> str | None:

@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Prometheus exporter port (0 = free port, -1 = off).")
     tw.add_argument("--metrics-host", default="127.0.0.1", help="Exporter bind address (default 127.0.0.1).")
     tw.add_argument("--kernel-log", default=None, help="Follow this file as the kernel log instead of /dev/kmsg.")
+    tw.add_argument("--node-name", default=None,
+                    help="This node's name in a multi-node job (default: the hostname; give one per agent when "
+                    "several share a machine).")
+    tw.add_argument("--rdzv-timeout", type=float, default=None, metavar="S",
+                    help="Seconds to wait for every node at a (re-)rendezvous before giving up (default 600).")
     flags.add_flags(parser.add_argument_group("trainwatch watchdog (thresholds and actions)"), launch_flags(),
                     FLAG_ALIASES)
     return parser
@@ -163,6 +168,10 @@ def _check_torchrun_options(args: argparse.Namespace) -> None:
         raise LaunchError(f"--max-restarts must be >= 0; got {args.max_restarts}")
     if not -1 <= args.metrics_port <= 65535:
         raise LaunchError(f"--metrics-port must be 0..65535 (0 = free port, -1 = off); got {args.metrics_port}")
+    if args.node_name is not None and not state.JOB_NAME_RE.fullmatch(args.node_name):
+        raise LaunchError(f"--node-name must be 1-100 letters, digits, '.', '_' or '-'; got {args.node_name!r}")
+    if args.rdzv_timeout is not None and not (args.rdzv_timeout > 0 and args.rdzv_timeout < 1e7):
+        raise LaunchError(f"--rdzv-timeout must be a positive number of seconds; got {args.rdzv_timeout}")
     if args.rdzv_endpoint:
         host, sep, port = str(args.rdzv_endpoint).rpartition(":")
         if not sep:

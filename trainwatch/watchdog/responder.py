@@ -31,7 +31,7 @@ log = logging.getLogger("trainwatch.sidecar")
 
 CAPTURE_KINDS = frozenset({"hang", "collective_mismatch"})
 """Incidents that trigger an all-rank stack capture and a verdict."""
-RESTART_KINDS = frozenset({"hang", "collective_mismatch", "xid", "ecc"})
+RESTART_KINDS = frozenset({"hang", "collective_mismatch", "xid", "ecc", "node_lost"})
 """Incidents the sidecar restarts the job for. Crashes restart through
 torchelastic directly (the agent sees the exit); stragglers and loss
 incidents only alert: restarting would not fix them and would lose work."""

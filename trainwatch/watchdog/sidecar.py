@@ -35,6 +35,7 @@ from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, ser
 from trainwatch.watchdog.hardware import HardwareMonitor
 from trainwatch.watchdog.history import HistoryWriter
 from trainwatch.watchdog.incident import Incident
+from trainwatch.watchdog.jobwide import LOST_MARGIN_S, PUBLISH_S, Aggregator, JobStore, decode_summary, encode_summary, job_scope
 from trainwatch.watchdog.recovery import RestartTracker
 from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate
 
@@ -56,6 +57,8 @@ class Sidecar:
         tracer: Any = None,
         run: str = "",
         launcher_pid: int | None = None,
+        jobstore: JobStore | None = None,
+        aggregate: bool = False,
     ):
         self.job = job
         self.run_id = run
@@ -76,8 +79,24 @@ class Sidecar:
         self.step_hist = StepHistogram()
         self._exits_offset = 0
         self._hardware: list = []
-        self.engine = DetectorEngine(detectors if detectors is not None else default_detectors(self.config.detectors),
-                                     config=self.config.engine)
+        detectors = detectors if detectors is not None else default_detectors(self.config.detectors)
+        # Multi-node: this node watches its own ranks; the job-scope detectors
+        # run once for the whole job, on the aggregator (trainwatch.watchdog.jobwide).
+        self.jobstore = jobstore
+        self.aggregator: Aggregator | None = None
+        if jobstore is not None:
+            if aggregate:
+                self.aggregator = Aggregator(DetectorEngine(job_scope(detectors, aggregator=True),
+                                                            config=self.config.engine),
+                                             lost_after_s=max(2.0, self.config.detectors.hang.floor_s - LOST_MARGIN_S),
+                                             clock=clock)
+            detectors = job_scope(detectors, aggregator=False)
+        self._published_seq = 0
+        self._published_at = -1e9
+        self._aggregated_at = -1e9
+        self._job_incidents_seen = 0
+        self._store_failed = False
+        self.engine = DetectorEngine(detectors, config=self.config.engine)
         self.tracer = tracer
         self.recovery = RestartTracker(self.dir, clock)
         self.gate = RestartGate(self.config.actions, clock)
@@ -113,7 +132,8 @@ class Sidecar:
         self._full_table = table
         self._reads += 1
         self.segment.acknowledge_read(self._reads)
-        live = table[table["pid"] > 0]
+        alive = table["pid"] > 0
+        live = table if alive.all() else table[alive]  # every slot written: no second copy
         self.last_table = live
         self.last_nodes = [self.node] * len(live)
         self.step_hist.observe(live)
@@ -134,8 +154,13 @@ class Sidecar:
         return rankrow.rows_json(self.rows())
 
     def write_snapshot(self) -> None:
-        state.write_json_atomic(self.dir.telemetry_file, {"node": self.node, "time": time.time(),
-                                                          "ranks": self.snapshot()}, durable=False)
+        record = {"node": self.node, "time": time.time(), "ranks": self.snapshot()}
+        if self.jobstore is not None and not self._store_failed:
+            try:
+                record["job_ranks"] = self.job_rows()
+            except Exception:  # the store is gone: this node's ranks still count
+                pass
+        state.write_json_atomic(self.dir.telemetry_file, record, durable=False)
 
     def read_exits(self) -> list[RankExit]:
         """Rank exits the agent reported since the last read (control/exits.jsonl)."""
@@ -167,7 +192,61 @@ class Sidecar:
             new.extend(source.poll_incidents(self))
         for incident in new:
             self.emit(incident)
+        if self.jobstore is not None:
+            self._job_round(bool(new))
         return new
+
+    # ---- multi-node: the job-wide round ---------------------------------------------
+
+    def _job_round(self, urgent: bool) -> None:
+        """Publish this node's summary, aggregate (on the aggregator) and take the
+        job's incidents. The store going away must not stop the node's watchdog."""
+        try:
+            now = self.clock()
+            if urgent or now - self._published_at >= PUBLISH_S:
+                self.publish()
+            if self.aggregator is not None and now - self._aggregated_at >= PUBLISH_S / 2:
+                self._aggregated_at = now
+                self.aggregate()
+            self._job_incidents_seen, records = self.jobstore.incidents_since(self._job_incidents_seen)
+            for record in records:
+                self.emit(record)
+            self._store_failed = False
+        except Exception as e:  # a store that went away raises torch's DistNetworkError, RuntimeError, ...
+            if not self._store_failed:
+                print(f"[trainwatch] job-wide view paused: the rendezvous store is unreachable ({e})",
+                      file=self.out, flush=True)
+            self._store_failed = True
+
+    def publish(self, *, final: bool = False) -> None:
+        table = self.last_table if self.last_table is not None else np.zeros(0, dtype=slots.slot_dtype())
+        self._published_seq += 1
+        self._published_at = self.clock()
+        self.jobstore.publish(self.node, encode_summary(self.node, self._published_seq, self._published_at, table,
+                                                        final=final))
+
+    def aggregate(self) -> None:
+        summaries = [s for s in map(decode_summary, self.jobstore.summaries(self.jobstore.nodes())) if s is not None]
+        for incident in self.aggregator.tick(summaries):
+            record = incident.to_json()
+            nodes = self.aggregator.nodes_of(record.get("culprit_ranks") or [])
+            if incident.kind == "node_lost":
+                nodes = [incident.evidence["node"]]
+            record.update(scope="job", nodes=nodes, node=",".join(nodes) or self.node,
+                          id=f"job-{self.run_id or os.getpid()}-{self._incident_seq + 1}-{incident.kind}")
+            self._incident_seq += 1
+            self.jobstore.add_incident(record)
+
+    def job_rows(self) -> list[dict]:
+        """Every other node's ranks, from their summaries (for telemetry.json and diagnose)."""
+        out = []
+        for s in map(decode_summary, self.jobstore.summaries(self.jobstore.nodes())):
+            if s is None or s.node == self.node:
+                continue
+            live = s.table[s.table["pid"] > 0]
+            # Ages as the node saw them when it published.
+            out += rankrow.rows_json(rankrow.decode(live, s.now, [s.node] * len(live)))
+        return out
 
     def emit(self, incident: Incident | dict) -> dict:
         """Record, print and hand on an incident, at once: the response follows."""
@@ -188,6 +267,8 @@ class Sidecar:
         self.incident_counts[kind] = self.incident_counts.get(kind, 0) + 1
         self.incidents.append(record)
         culprits = ",".join(str(r) for r in record.get("culprit_ranks") or []) or "-"
+        if record.get("scope") == "job" and record.get("nodes"):
+            culprits += f" on node {','.join(map(str, record['nodes']))}"
         print(f"[trainwatch] INCIDENT {kind} culprit rank(s) {culprits}: {record.get('summary', '')}"
               + (f" (runbook: trainwatch runbook {record['runbook']})" if record.get("runbook") else ""),
               file=self.out, flush=True)
@@ -230,6 +311,9 @@ class Sidecar:
             self.tick()
             self.history.maybe_sample(self.rows, self.straggler_ratios, force=True)
             self.write_snapshot()
+            launcher_alive = not self.launcher_pid or procctl.parent_alive(self.launcher_pid)
+            if self.jobstore is not None and not self._store_failed and launcher_alive:
+                self.publish(final=True)  # a node that ends is not a node lost (one whose launcher died is)
         except Exception:
             log.exception("trainwatch sidecar: final snapshot failed")
         if self.responder is not None:
@@ -316,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="the SidecarConfig JSON the launcher wrote")
     p.add_argument("--run", default="", help="the run's id: only its records are read")
     p.add_argument("--launcher-pid", type=int, default=None, help="stop when this parent is gone")
+    p.add_argument("--store", default=None, help="HOST:PORT of the rendezvous store (multi-node job)")
+    p.add_argument("--store-namespace", default="", help="the job's rendezvous id (same on every node)")
+    p.add_argument("--aggregate", action="store_true", help="run the job-wide detectors (the rendezvous host)")
     args = p.parse_args(argv)
     if args.launcher_pid:
         procctl.die_with_parent(signal.SIGTERM, args.launcher_pid)
@@ -331,8 +418,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
     tracer = otel.IncidentTracer.from_env(job=args.job, node=args.node)
+    jobstore = None
+    if args.store:
+        try:
+            jobstore = JobStore(args.store, args.store_namespace or args.job)
+            jobstore.register(args.node)
+        except Exception as e:
+            print(f"[trainwatch] job-wide view off: cannot reach the rendezvous store {args.store} ({e}); "
+                  "this node watches its own ranks only", flush=True)
+            jobstore = None
     sidecar = Sidecar(args.job, args.slots, node=args.node, config=config, respond=True, tracer=tracer, run=args.run,
-                      launcher_pid=args.launcher_pid)
+                      launcher_pid=args.launcher_pid, jobstore=jobstore, aggregate=args.aggregate)
     add_hardware_monitor(sidecar)
     address = None
     if args.metrics_port >= 0:

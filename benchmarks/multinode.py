@@ -1,0 +1,227 @@
+"""Multi-node benchmark: two `trainwatch launch` agents on this machine as two
+nodes, and the job-wide view at scale.
+
+    python benchmarks/multinode.py [--skip-e2e]
+
+1. A hang on node 1, rank 3 of a 2 x 2-rank job of the integrated trainer
+   (per-node homes, one c10d rendezvous on loopback): is the culprit named
+   once for the job, with its node; does `diagnose` on node 0 see every rank;
+   does the job recover, every node resuming from the same step?
+2. Node loss: node 1's whole process tree SIGKILLed; seconds until node 0
+   records `node_lost` naming it.
+3. Scale: synthetic summaries of 128 nodes x 8 ranks published through a real
+   TCPStore on loopback; one job-wide refresh (read every summary, rebase,
+   join, run the job-scope detectors) timed on 1024 ranks.
+4. One whole sidecar round (read the segment, the step histogram, the
+   detectors) on a real 4096-slot segment.
+
+Progress goes to stderr; the LAST stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+from common import BIN, ROOT, env_for, log, wait_for
+
+TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--log-interval", "20"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_nodes(root: Path, job: str, port: int, *args: str) -> tuple[list[Path], list[subprocess.Popen]]:
+    homes, procs = [], []
+    for i in range(2):
+        home = root / f"node{i}"
+        home.mkdir(parents=True)
+        cmd = [str(BIN / "trainwatch"), "launch", "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, "--job", job,
+               "--node-name", f"n{i}", "--metrics-port", "0", *args]
+        log_file = open(root / f"node{i}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=env_for(home), stdout=log_file, stderr=subprocess.STDOUT,
+                                      cwd=str(ROOT), start_new_session=True))
+        log_file.close()
+        homes.append(home)
+        if i == 0:
+            wait_for(lambda: listening(port), 120)
+    return homes, procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def incidents(home: Path, job: str) -> list[dict]:
+    from trainwatch import state
+
+    return state.JobDir(job, root=home).incidents()
+
+
+def diagnose_ranks(home: Path, job: str) -> list[dict]:
+    r = subprocess.run([str(BIN / "trainwatch"), "diagnose", job, "--json"], env=env_for(home), capture_output=True,
+                       text=True, timeout=120, cwd=str(ROOT))
+    try:
+        return json.loads(r.stdout)["ranks"] if r.returncode == 0 else []
+    except (ValueError, KeyError):
+        return []
+
+
+def hang_scenario(root: Path) -> dict:
+    job = f"mn-{uuid.uuid4().hex[:6]}"
+    homes, procs = start_nodes(root / "hang", job, free_port(), "--inject", "hang:rank=3,step=25,where=compute",
+                               *TRAINER, "--max-steps", "60", "--ckpt-interval", "10")
+    try:
+        ranks = wait_for(lambda: (lambda r: r if len(r) == 4 else None)(diagnose_ranks(homes[0], job)), 120, 0.5) or []
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        stop(procs)
+    hangs = [e for h in homes for e in incidents(h, job) if e["kind"] == "hang"]
+    restarts = [e for h in homes for e in incidents(h, job) if e["kind"] == "restart"]
+    resumed = {(e.get("evidence") or {}).get("resumed_from_step") for e in restarts}
+    return {
+        "culprit_ok": bool(hangs) and all(e.get("culprit_ranks") == [3] and e.get("nodes") == ["n1"] for e in hangs),
+        "diagnose_sees_all_ranks": {(r.get("rank"), r.get("node")) for r in ranks} == {(0, "n0"), (1, "n0"),
+                                                                                       (2, "n1"), (3, "n1")},
+        "recovered": codes == [0, 0],
+        "incidents_per_fault": len({e["id"] for e in hangs}),
+        "same_resume_step": len(resumed) == 1 and None not in resumed,
+    }
+
+
+def node_lost_scenario(root: Path) -> float | None:
+    job = f"mn-{uuid.uuid4().hex[:6]}"
+    homes, procs = start_nodes(root / "lost", job, free_port(), "--rdzv-timeout", "10", *TRAINER,
+                               "--max-steps", "100000", "--ckpt-interval", "50")
+    try:
+        if not wait_for(lambda: len(diagnose_ranks(homes[0], job)) == 4, 120, 0.5):
+            return None
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        found = wait_for(lambda: [e for e in incidents(homes[0], job) if e["kind"] == "node_lost"], 60, 0.05)
+        took = time.monotonic() - t0 if found else None
+        procs[0].wait(timeout=180)
+        return took
+    finally:
+        stop(procs)
+
+
+def aggregate_ms(nodes: int = 128, per_node: int = 8, rounds: int = 20) -> float:
+    """One job-wide refresh over `nodes` summaries published to a real TCPStore."""
+    from trainwatch import netbind
+    from trainwatch.watchdog.detectors import default_detectors
+    from trainwatch.watchdog.engine import DetectorEngine
+    from trainwatch.watchdog.jobwide import Aggregator, JobStore, decode_summary, encode_summary, job_scope
+
+    server = netbind.bound_store("127.0.0.1", 0, timeout=timedelta(seconds=30))
+    endpoint = f"127.0.0.1:{server.port}"
+    publisher = JobStore(endpoint, "bench")
+    reader = JobStore(endpoint, "bench")
+    names = [f"node{i:03d}" for i in range(nodes)]
+    for name in names:
+        publisher.register(name)
+    from trainwatch.watchdog.engine import _SyntheticJob
+
+    job = _SyntheticJob(nodes * per_node)
+    agg = Aggregator(DetectorEngine(job_scope(default_detectors(), aggregator=True)))
+    times = []
+    for r in range(rounds + 5):
+        view = job.advance()
+        for i, name in enumerate(names):
+            publisher.publish(name, encode_summary(name, r + 1, view.now, view.table[i * per_node:(i + 1) * per_node]))
+        t0 = time.perf_counter()
+        summaries = [s for s in map(decode_summary, reader.summaries(reader.nodes())) if s is not None]
+        agg.tick(summaries)
+        if r >= 5:
+            times.append((time.perf_counter() - t0) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def sidecar_round_ms(nranks: int = 4096, rounds: int = 30) -> float:
+    """One sidecar round on a real segment: read + histogram + detectors."""
+    from trainwatch import slots
+    from trainwatch.watchdog.engine import _SyntheticJob
+    from trainwatch.watchdog.sidecar import Sidecar
+
+    home = Path(tempfile.mkdtemp(prefix="trainwatch-bench-round-"))
+    os.environ["TRAINWATCH_HOME"] = str(home)
+    path = str(home / "seg.slots")
+    slots.create_segment(path, nranks)
+    job = _SyntheticJob(nranks)
+    clock = {"now": job.now}
+    sidecar = Sidecar(f"round-{uuid.uuid4().hex[:6]}", path, node="bench", clock=lambda: clock["now"],
+                      out=open(os.devnull, "w"))
+    raw = np.frombuffer(sidecar.segment.buf, dtype=slots.slot_dtype(), count=nranks, offset=slots.HEADER_SIZE)
+    times = []
+    try:
+        for r in range(rounds + 60):
+            view = job.advance()
+            clock["now"] = view.now
+            raw[:] = view.table
+            t0 = time.perf_counter()
+            sidecar.tick()
+            if r >= 60:
+                times.append((time.perf_counter() - t0) * 1000)
+    finally:
+        del raw
+        sidecar.segment.close()
+        shutil.rmtree(home, ignore_errors=True)
+    return round(statistics.median(times), 2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--skip-e2e", action="store_true", help="only the scale measurements")
+    args = p.parse_args()
+    out = {"nodes": 2, "culprit_ok": None, "diagnose_sees_all_ranks": None, "recovered": None,
+           "incidents_per_fault": None, "same_resume_step": None, "node_lost_s": None}
+    root = Path(tempfile.mkdtemp(prefix="trainwatch-bench-multinode-"))
+    try:
+        if not args.skip_e2e:
+            log("hang on node 1 rank 3 (2 nodes x 2 ranks) ...")
+            out.update(hang_scenario(root))
+            log(f"  {out}")
+            log("node 1 SIGKILLed ...")
+            lost = node_lost_scenario(root)
+            out["node_lost_s"] = round(lost, 2) if lost is not None else None
+            log(f"  node_lost after {out['node_lost_s']} s")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    log("job-wide refresh, 128 nodes x 8 ranks through a TCPStore ...")
+    out["aggregate_ms_1024_ranks"] = aggregate_ms()
+    log("sidecar round at 4096 ranks ...")
+    out["sidecar_round_ms_4096_ranks"] = sidecar_round_ms()
+    print(json.dumps(out))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Multi-node jobs on one machine: two `trainwatch launch` agents as two
+nodes (their own TRAINWATCH_HOME and node name, one c10d rendezvous on
+loopback), watched by one job-wide watchdog through the rendezvous store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from util import BIN, ROOT, env_for, events, job_json, wait_for
+
+pytestmark = pytest.mark.slow
+
+TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--log-interval", "20"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Nodes:
+    """N agents of one job, each node with its own home."""
+
+    def __init__(self, tmp_path: Path, n: int = 2):
+        self.job = f"mn-{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.homes = [tmp_path / f"home{i}" for i in range(n)]
+        self.procs: list[subprocess.Popen] = []
+        self.logs = [tmp_path / f"node{i}.log" for i in range(n)]
+
+    def start(self, *args: str, **launch) -> None:
+        for i, home in enumerate(self.homes):
+            home.mkdir(exist_ok=True)
+            cmd = [str(BIN / "trainwatch"), "launch", "--nnodes", str(len(self.homes)), "--node-rank", str(i),
+                   "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+                   "--rdzv-id", self.job, "--job", self.job, "--node-name", f"n{i}", "--metrics-port", "0", *args]
+            with open(self.logs[i], "w") as log:
+                self.procs.append(subprocess.Popen(cmd, env=env_for(home), stdout=log, stderr=subprocess.STDOUT,
+                                                   cwd=str(ROOT), start_new_session=True))
+            if i == 0:  # node 0 hosts the rendezvous store, as the endpoint's machine would
+                wait_for(lambda: listening(self.port), 120, interval=0.1, what="node 0's rendezvous store")
+
+    def wait(self, timeout: float = 300) -> list[int]:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return [p.returncode for p in self.procs]
+
+    def log(self, i: int) -> str:
+        return self.logs[i].read_text(errors="replace")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    n = Nodes(tmp_path)
+    yield n
+    n.stop()
+
+
+def diagnose(home: Path, job: str) -> dict:
+    r = subprocess.run([str(BIN / "trainwatch"), "diagnose", job, "--json"], env=env_for(home), capture_output=True,
+                       text=True, timeout=120, cwd=str(ROOT))
+    if r.returncode == 2 and "unknown job" in r.stderr:
+        return {"ranks": []}  # not started yet
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_a_hang_on_one_node_is_one_job_incident_and_every_node_resumes_from_one_step(nodes):
+    nodes.start("--inject", "hang:rank=3,step=25,where=compute", *TRAINER, "--max-steps", "60",
+                "--ckpt-interval", "10")
+    # Any node sees every rank of the job, each with its node.
+    seen = wait_for(lambda: (d := diagnose(nodes.homes[0], nodes.job)) and len(d["ranks"]) == 4 and d,
+                    120, interval=0.5, what="node 0 to list all four ranks")
+    assert {(r["rank"], r["node"]) for r in seen["ranks"]} == {(0, "n0"), (1, "n0"), (2, "n1"), (3, "n1")}
+    codes = nodes.wait()
+    assert codes == [0, 0], nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
+    hangs = [e for home in nodes.homes for e in events(home, nodes.job) if e["kind"] == "hang"]
+    assert len({e["id"] for e in hangs}) == 1, hangs  # one incident for the job, recorded on each node
+    assert all(e["culprit_ranks"] == [3] and e["nodes"] == ["n1"] for e in hangs), hangs
+    assert "culprit rank(s) 3 on node n1" in nodes.log(0)
+    restarts = [e for home in nodes.homes for e in events(home, nodes.job) if e["kind"] == "restart"]
+    assert len({e["evidence"]["resumed_from_step"] for e in restarts}) == 1, restarts  # the same step everywhere
+    assert [job_json(h, nodes.job)["restarts"] for h in nodes.homes] == [1, 1]
+    assert "Traceback" not in nodes.log(0) + nodes.log(1)
+
+
+@pytest.mark.parametrize("kill", ["node", "launcher"])
+def test_a_lost_node_is_named_and_the_survivor_stops_cleanly(nodes, kill):
+    nodes.start("--rdzv-timeout", "10", *TRAINER, "--max-steps", "100000", "--ckpt-interval", "50")
+    wait_for(lambda: len(diagnose(nodes.homes[0], nodes.job)["ranks"]) == 4, 120, interval=0.5,
+             what="both nodes training")
+    victim = nodes.procs[1]
+    if kill == "node":
+        os.killpg(victim.pid, signal.SIGKILL)
+    else:
+        victim.send_signal(signal.SIGKILL)  # its ranks and sidecar die with it
+    t0 = time.monotonic()
+    lost = wait_for(lambda: [e for e in events(nodes.homes[0], nodes.job) if e["kind"] == "node_lost"], 60,
+                    what="node_lost on node 0")
+    took = time.monotonic() - t0
+    assert lost[0]["nodes"] == ["n1"] and lost[0]["culprit_ranks"] == [2, 3], lost
+    assert took < 15, took  # the hang threshold (5 s) plus the summary interval, with room for a busy machine
+    code = nodes.procs[0].wait(timeout=180)
+    out = nodes.log(0)
+    assert code != 0 and "succeeded" not in out, out[-3000:]
+    assert "the nodes did not meet again" in out and "Traceback" not in out, out[-3000:]
+    assert job_json(nodes.homes[0], nodes.job)["status"] == "failed"

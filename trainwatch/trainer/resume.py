@@ -1,0 +1,147 @@
+"""Where a run starts from: the checkpoint per --resume, one step that every
+rank of every node agrees on, and which ranks write checkpoints.
+
+Checkpoint directories are either shared by every node (a network
+filesystem: global rank 0 writes, everyone reads the same files) or local to
+each node (the default `$TRAINWATCH_HOME/jobs/<job>/checkpoints` on separate
+machines: each node's local rank 0 writes a full copy, data parallel ranks
+hold the same state). Which one it is is found out, not configured: rank 0
+drops a probe file in its directory and each node looks for it.
+
+A restarted multi-node job resumes from the newest step for which every rank
+has a checkpoint that verifies, agreed with one all-gather: a node that lost
+its disk, or joined new, never trains on from another step than its peers.
+A node with no copy of any step the others have is a clear error (exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainwatch import checkpoint as ckpt
+from trainwatch.trainer.config import MODEL_PRESETS, TrainConfig
+from trainwatch.trainer.model import GPT
+
+
+@dataclass
+class Resume:
+    """The state to start from (None: from scratch) and every step this rank could resume from."""
+
+    state: dict | None = None
+    where: str | None = None
+    step: int = 0
+    available: dict[int, str] = field(default_factory=dict)
+    """step -> checkpoint directory of every checkpoint here that verifies."""
+    explicit: bool = False
+
+
+def find_resume(cfg: TrainConfig, rank: int) -> Resume:
+    """The checkpoint to start from per --resume (before the process group exists,
+    so a bad --resume fails fast); raises CheckpointError."""
+    if cfg.resume == "never":
+        return Resume()
+    if cfg.resume != "auto":
+        try:
+            state = ckpt.load_checkpoint(cfg.resume)
+            problem = misfit(state, cfg)
+            if problem:
+                raise ckpt.CheckpointError(problem)
+            return Resume(state, cfg.resume, int(state["step"]), explicit=True)
+        except ckpt.CheckpointError as e:
+            raise ckpt.CheckpointError(
+                f"--resume: {e}; pass a valid checkpoint directory, or --resume auto or never"
+            ) from None
+    if not cfg.ckpt_dir:
+        return Resume()
+    warn = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
+    # The newest checkpoint that verifies and fits this model; an older one
+    # when the newest cannot be loaded (another model size, a torn file).
+    out = Resume()
+    for info in ckpt.valid_checkpoints(cfg.ckpt_dir, warn=warn):
+        if out.state is not None:
+            out.available.setdefault(info.step, str(info.path))
+            continue
+        try:
+            state = ckpt.load_checkpoint(info)
+            problem = misfit(state, cfg)
+        except ckpt.CheckpointError as e:
+            problem = str(e)
+        if problem is None:
+            out.state, out.where, out.step = state, str(info.path), info.step
+            out.available[info.step] = str(info.path)
+        else:
+            warn(f"warning: skipping checkpoint {info.path}: {problem}; trying the next older one")
+    return out
+
+
+def agree(resume: Resume, cfg: TrainConfig, say) -> Resume:
+    """The newest step every rank can resume from (one all-gather), loaded."""
+    if resume.explicit or cfg.resume == "never":
+        return resume
+    mine = sorted(s for s in resume.available if s <= resume.step) if resume.state is not None else []
+    steps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, mine)
+    if not any(steps):
+        return Resume()
+    common = set.intersection(*(set(s) for s in steps))
+    if not common:
+        lacking = [r for r, s in enumerate(steps) if not s or max(s) < max(max(x) for x in steps if x)]
+        raise ckpt.CheckpointError(
+            f"ranks {', '.join(map(str, lacking))} have no checkpoint of a step the other ranks have "
+            "(a node with an empty or other --ckpt-dir): copy the newest checkpoint into every node's "
+            "--ckpt-dir, use one shared --ckpt-dir, or start over with --resume never")
+    step = max(common)
+    if resume.state is not None and resume.step == step:
+        return resume
+    where = resume.available[step]
+    state = ckpt.load_checkpoint(where)
+    say(f"resuming every node from step {step}, the newest all of them hold (this node had {resume.step})")
+    return Resume(state, where, step, resume.available)
+
+
+def checkpoint_writer(cfg: TrainConfig, rank: int, local_rank: int) -> bool:
+    """Whether this rank writes periodic checkpoints: global rank 0, and each
+    node's local rank 0 whose --ckpt-dir is not the directory rank 0 writes to."""
+    if not cfg.ckpt_dir:
+        return False
+    name = [f".shared-probe-{uuid.uuid4().hex}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    probe = Path(cfg.ckpt_dir) / str(name[0])
+    if rank == 0:
+        probe.touch()
+    dist.barrier()
+    shared = probe.exists()
+    dist.barrier()
+    if rank == 0:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    return rank == 0 or (local_rank == 0 and not shared)
+
+
+def misfit(state: dict, cfg: TrainConfig) -> str | None:
+    """Why a checkpoint's state cannot be loaded into this config's model and
+    optimizer (None when it can): checked on shapes alone, with no weights allocated."""
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "step" not in state:
+        return "it is not a trainer checkpoint (no model state or step)"
+    saved = state.get("config") if isinstance(state.get("config"), dict) else {}
+    with torch.device("meta"):
+        expected = GPT(MODEL_PRESETS[cfg.model_size]).state_dict()
+    got = state["model"]
+    if set(got) != set(expected) or any(
+            not isinstance(got[k], torch.Tensor) or got[k].shape != v.shape for k, v in expected.items()):
+        size = saved.get("model_size")
+        hint = f"pass --model-size {size}" if size and size != cfg.model_size else "pass the flags it was saved with"
+        return f"it was saved for another model (its weights do not fit --model-size {cfg.model_size}); {hint}"
+    groups = (state.get("optimizer") or {}).get("param_groups") if isinstance(state.get("optimizer"), dict) else None
+    if not isinstance(groups, list) or len(groups) != 2:
+        return "its optimizer state does not fit this trainer's optimizer"
+    return None
