@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from util import BIN, ROOT, env_for, events, job_json, wait_for
+from util import BIN, ROOT, env_for, events, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +36,10 @@ def listening(port: int) -> bool:
 class Nodes:
     """N agents of one job, each node with its own home."""
 
-    def __init__(self, tmp_path: Path, n: int = 2):
+    def __init__(self, tmp_path: Path, n: int = 2, shared_home: bool = False):
         self.job = f"mn-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
-        self.homes = [tmp_path / f"home{i}" for i in range(n)]
+        self.homes = [tmp_path / ("home" if shared_home else f"home{i}") for i in range(n)]
         self.procs: list[subprocess.Popen] = []
         self.logs = [tmp_path / f"node{i}.log" for i in range(n)]
 
@@ -73,11 +73,17 @@ class Nodes:
             p.wait()
 
 
-@pytest.fixture
-def nodes(tmp_path):
-    n = Nodes(tmp_path)
+@pytest.fixture(params=["per-node homes", "shared home"])
+def nodes(request, tmp_path):
+    n = Nodes(tmp_path, shared_home=request.param == "shared home")
     yield n
     n.stop()
+
+
+def node_job(home: Path, job: str, node: str) -> dict:
+    from trainwatch import state
+
+    return state.JobDir.resolve(job, root=home, node=node).read_job() or {}
 
 
 def diagnose(home: Path, job: str) -> dict:
@@ -98,13 +104,19 @@ def test_a_hang_on_one_node_is_one_job_incident_and_every_node_resumes_from_one_
     assert {(r["rank"], r["node"]) for r in seen["ranks"]} == {(0, "n0"), (1, "n0"), (2, "n1"), (3, "n1")}
     codes = nodes.wait()
     assert codes == [0, 0], nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
-    hangs = [e for home in nodes.homes for e in events(home, nodes.job) if e["kind"] == "hang"]
+    homes = sorted(set(nodes.homes))
+    hangs = [e for home in homes for e in events(home, nodes.job) if e["kind"] == "hang"]
     assert len({e["id"] for e in hangs}) == 1, hangs  # one incident for the job, recorded on each node
     assert all(e["culprit_ranks"] == [3] and e["nodes"] == ["n1"] for e in hangs), hangs
     assert "culprit rank(s) 3 on node n1" in nodes.log(0)
-    restarts = [e for home in nodes.homes for e in events(home, nodes.job) if e["kind"] == "restart"]
+    restarts = [e for home in homes for e in events(home, nodes.job) if e["kind"] == "restart"]
     assert len({e["evidence"]["resumed_from_step"] for e in restarts}) == 1, restarts  # the same step everywhere
-    assert [job_json(h, nodes.job)["restarts"] for h in nodes.homes] == [1, 1]
+    assert [node_job(h, nodes.job, f"n{i}")["restarts"] for i, h in enumerate(nodes.homes)] == [1, 1]
+    listing = subprocess.run([str(BIN / "trainwatch"), "jobs", "--json"], env=env_for(nodes.homes[0]),
+                             capture_output=True, text=True, timeout=60)
+    entries = [j for j in json.loads(listing.stdout) if j["job"] == nodes.job]
+    assert len(entries) == 1  # the job once, with the nodes that keep records in this home
+    assert entries[0]["nodes"] == (["n0", "n1"] if len(homes) == 1 else ["n0"])
     assert "Traceback" not in nodes.log(0) + nodes.log(1)
 
 
@@ -128,4 +140,4 @@ def test_a_lost_node_is_named_and_the_survivor_stops_cleanly(nodes, kill):
     out = nodes.log(0)
     assert code != 0 and "succeeded" not in out, out[-3000:]
     assert "the nodes did not meet again" in out and "Traceback" not in out, out[-3000:]
-    assert job_json(nodes.homes[0], nodes.job)["status"] == "failed"
+    assert node_job(nodes.homes[0], nodes.job, "n0")["status"] == "failed"

@@ -16,6 +16,11 @@ JOB = "TRAINWATCH_JOB"
 """The job name. Set by the launcher for ranks; py-spy and signals only ever target
 processes whose environment carries this job's name."""
 
+NODE_SCOPE = "TRAINWATCH_NODE_SCOPE"
+"""Set for a multi-node job: this node's name. The node's own state (job.json,
+telemetry.json, the launch lock, control/) lives under jobs/<job>/nodes/<node>/,
+so nodes sharing one TRAINWATCH_HOME never read or take each other's records."""
+
 SLOTS = "TRAINWATCH_SLOTS"
 """Path of the node's shared-memory slot segment; a rank attaches to slot LOCAL_RANK.
 Unset: `trainwatch.init()` returns a handle on a private, unread slot."""

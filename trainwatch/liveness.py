@@ -42,6 +42,7 @@ class RunLock:
 def acquire(job_dir: state.JobDir) -> RunLock:
     """Hold the job name for this process, or StateError naming the live run's launcher."""
     job_dir.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    job_dir.own.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(job_dir.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -103,7 +104,8 @@ def status(job_dir: state.JobDir, record: dict | None = None) -> str:
 def status_of(record: dict) -> str:
     """`status` for a job.json read from a listing (its job name may be anything)."""
     try:
-        job_dir = state.JobDir(record.get("job"))  # type: ignore[arg-type]
+        node = record.get("node") if record.get("node_scoped") is True and isinstance(record.get("node"), str) else None
+        job_dir = state.JobDir(record.get("job"), node=node)  # type: ignore[arg-type]
     except (state.StateError, TypeError, ValueError):
         return state.live_status(record)
     return status(job_dir, record)

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -231,20 +232,25 @@ def safe_filename(name: str, default: str = "node") -> str:
 class JobDir:
     """Every path under jobs/<job>/, and the readers and writers of its files."""
 
-    def __init__(self, job: str, root: Path | None = None):
+    def __init__(self, job: str, root: Path | None = None, node: str | None = None):
         self.job = check_job_name(job)
+        self.root = root
         self.path = (root if root is not None else home()) / "jobs" / job
-        self.job_file = self.path / "job.json"
-        self.launch_file = self.path / "launch.json"
-        self.lock_file = self.path / "launch.lock"
-        self.sidecar_file = self.path / "sidecar.json"
+        # A node of a multi-node job keeps its own records apart (env.NODE_SCOPE);
+        # incidents, history, stacks and checkpoints are the job's.
+        self.node = node if node is not None else (os.environ.get(env.NODE_SCOPE) or None)
+        self.own = self.path / "nodes" / safe_filename(self.node) if self.node else self.path
+        self.job_file = self.own / "job.json"
+        self.launch_file = self.own / "launch.json"
+        self.lock_file = self.own / "launch.lock"
+        self.sidecar_file = self.own / "sidecar.json"
         self.events_file = self.path / "events.jsonl"
-        self.telemetry_file = self.path / "telemetry.json"
+        self.telemetry_file = self.own / "telemetry.json"
         self.history_dir = self.path / "history"
         self.stacks_dir = self.path / "stacks"
         self.checkpoints_dir = self.path / "checkpoints"
         self.report_file = self.path / "report.html"
-        self.control_dir = self.path / "control"
+        self.control_dir = self.own / "control"
         self.exits_file = self.control_dir / "exits.jsonl"
         self.restart_request_file = self.control_dir / "restart-request.json"
         self.restart_timing_file = self.control_dir / "restart-timing.json"
@@ -258,9 +264,27 @@ class JobDir:
     def create(self) -> JobDir:
         ensure_home()
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.own.mkdir(mode=0o700, parents=True, exist_ok=True)
         for sub in (self.stacks_dir, self.control_dir):
             sub.mkdir(mode=0o700, exist_ok=True)
         return self
+
+    @classmethod
+    def resolve(cls, job: str, root: Path | None = None, node: str | None = None) -> JobDir:
+        """The directory a reader means by a job name: the job's own, or for a
+        multi-node job one node's (`node`, else this machine's, else the newest)."""
+        d = cls(job, root)
+        if node is None and d.exists():
+            return d
+        scoped = [cls(job, root, p.name) for p in sorted((d.path / "nodes").glob("*")) if p.is_dir()]
+        scoped = [s for s in scoped if s.exists()]
+        if node is not None:
+            return next((s for s in scoped if s.node == safe_filename(node)), cls(job, root, node))
+        if not scoped:
+            return d
+        here = [s for s in scoped if s.node == safe_filename(socket.gethostname())]
+        return here[0] if here else max(scoped, key=lambda s: finite_number((s.read_job() or {}).get("start_time"))
+                                        or 0.0)
 
     def start_run(self) -> None:
         """A new run takes the name: the control records of earlier runs (exits,
@@ -304,9 +328,11 @@ class JobDir:
                 if target is not None:
                     target.update({k: v for k, v in record.items() if k not in ("kind", "incident", "time", "id")})
                 continue
-            out.append(record)
             if record.get("id") is not None:
+                if str(record["id"]) in by_id:
+                    continue  # a job incident that every node of a shared home recorded
                 by_id[str(record["id"])] = record
+            out.append(record)
         return [typed_incident(record) for record in out]
 
     def telemetry(self) -> dict:
@@ -324,8 +350,9 @@ class JobDir:
         then on. Returns the marker, or None when it cannot be written."""
         try:
             ensure_home()
-            created = not self.path.exists()
+            created = not self.own.exists()
             self.path.mkdir(mode=0o700, exist_ok=True)
+            self.own.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_json_atomic(self.launch_file, {"job": self.job, "launcher_pid": os.getpid(),
                                                  "start_time": time.time(), "created_dir": created}, durable=False)
             return self.launch_file
@@ -341,10 +368,11 @@ class JobDir:
         except OSError:
             return
         if failed and rec.get("created_dir"):
-            try:
-                self.path.rmdir()  # only when empty: nothing already written is lost
-            except OSError:
-                pass
+            for path in ((self.own, self.own.parent, self.path) if self.node else (self.path,)):
+                try:
+                    path.rmdir()  # only when empty: nothing already written is lost
+                except OSError:
+                    pass
 
 
 def live_status(job: dict) -> str:
@@ -369,6 +397,8 @@ def pid_alive(pid: Any) -> bool:
 
 
 def list_jobs() -> list[dict]:
+    """Every job once; a multi-node job's nodes (those keeping records here) merged
+    into one entry with `nodes` and the sum of their ranks."""
     root = home() / "jobs"
     if not root.is_dir():
         return []
@@ -377,6 +407,15 @@ def list_jobs() -> list[dict]:
         rec = read_json(d / "job.json")
         if rec is not None and isinstance(rec.get("job"), str):
             jobs.append(rec)
+            continue
+        per_node = [r for r in (read_json(p) for p in sorted(d.glob("nodes/*/job.json")))
+                    if r is not None and isinstance(r.get("job"), str)]
+        if per_node:
+            merged = dict(max(per_node, key=lambda r: finite_number(r.get("start_time")) or 0.0))
+            merged["nodes"] = sorted({str(r.get("node")) for r in per_node})
+            merged["ranks"] = [x for r in per_node if isinstance(r.get("ranks"), list) for x in r["ranks"]]
+            merged["node_records"] = per_node
+            jobs.append(merged)
     jobs.sort(key=lambda r: r.get("start_time") if isinstance(r.get("start_time"), (int, float)) else 0)
     return jobs
 

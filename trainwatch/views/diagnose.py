@@ -116,7 +116,7 @@ def _starting_report(job_name: str, marker: dict) -> dict:
 
 def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capture: bool = True,
             node: str | None = None) -> dict:
-    job_dir = state.JobDir(job_name)
+    job_dir = state.JobDir.resolve(job_name)
     job = job_dir.read_job()
     marker = launch_marker(job_dir)
     if marker is not None and (job is None or _num(job.get("start_time")) < _num(marker.get("start_time"))):

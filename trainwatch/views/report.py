@@ -81,7 +81,7 @@ def _last_verdict(events: list[dict]) -> dict | None:
 
 def collect(job: str, now: float | None = None) -> dict[str, Any]:
     """Everything the page shows, as plain JSON-able data. LookupError: no such job."""
-    d = state.JobDir(job)
+    d = state.JobDir.resolve(job)
     record = d.read_job()
     if record is None:
         raise LookupError(job)
@@ -221,7 +221,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         data = collect(args.job)
-        out = args.out if args.out is not None else state.JobDir(args.job).report_file
+        out = args.out if args.out is not None else state.JobDir.resolve(args.job).report_file
     except state.StateError as e:
         return fail(str(e))
     except LookupError:

@@ -23,7 +23,7 @@ import uuid
 from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.inject import spec as inject
 from trainwatch.views.summary import failure_summary
-from trainwatch.watchdog.options import LaunchConfig, LaunchError, parse, prescan_job
+from trainwatch.watchdog.options import LaunchConfig, LaunchError, parse, prescan_job, prescan_node_scope
 
 log = logging.getLogger("trainwatch")
 
@@ -113,6 +113,9 @@ def _worker_command(args: argparse.Namespace, cmd, cmd_args: list[str]) -> tuple
 def launch(argv: list[str]) -> int:
     early = prescan_job(argv)
     early = state.generate_job_name() if early is None else early
+    scope = prescan_node_scope(argv)
+    if scope:  # a multi-node job: this node's records apart from the others' (shared homes)
+        os.environ[env.NODE_SCOPE] = scope
     try:
         marker = state.JobDir(early)
         state.ensure_home()
@@ -214,6 +217,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     job_dir.update_job(
         status="starting",
         run_id=run_id,
+        node_scoped=bool(os.environ.get(env.NODE_SCOPE)),
         start_time=time.time(),
         node=node,
         nodes=[node],

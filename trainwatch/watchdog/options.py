@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -95,12 +96,26 @@ _FLAGS = frozenset({"--standalone", "--no-python", "--no_python", "--run-path", 
 def prescan_job(argv: list[str]) -> str | None:
     """The --job value, read without torchrun's parser (which imports torch):
     options before the script only. None when not given."""
+    return prescan_option(argv, "--job")
+
+
+def prescan_node_scope(argv: list[str]) -> str | None:
+    """This node's name when the job spans several nodes (its state is kept per
+    node, see env.NODE_SCOPE), else None."""
+    nnodes = prescan_option(argv, "--nnodes") or "1"
+    if nnodes.rpartition(":")[2].strip() in ("", "1"):
+        return None
+    name = prescan_option(argv, "--node-name") or socket.gethostname()
+    return name if state.JOB_NAME_RE.fullmatch(name) else None
+
+
+def prescan_option(argv: list[str], option: str) -> str | None:
     i = 0
     while i < len(argv):
         token = argv[i]
-        if token == "--job" and i + 1 < len(argv):
+        if token == option and i + 1 < len(argv):
             return argv[i + 1]
-        if token.startswith("--job="):
+        if token.startswith(option + "="):
             return token.split("=", 1)[1]
         if not token.startswith("-") or token in ("-m", "--module"):
             return None  # the script or module: what follows is its own

@@ -63,6 +63,8 @@ class Sidecar:
         self.job = job
         self.run_id = run
         self.launcher_pid = launcher_pid
+        self.orphaned = threading.Event()
+        """Set when the launcher died (the kernel's parent-death signal)."""
         self.node = node or socket.gethostname()
         self.config = config or SidecarConfig()
         self.segment = slots.Segment(segment_path)
@@ -311,7 +313,8 @@ class Sidecar:
             self.tick()
             self.history.maybe_sample(self.rows, self.straggler_ratios, force=True)
             self.write_snapshot()
-            launcher_alive = not self.launcher_pid or procctl.parent_alive(self.launcher_pid)
+            launcher_alive = not self.orphaned.is_set() and (
+                not self.launcher_pid or procctl.parent_alive(self.launcher_pid))
             if self.jobstore is not None and not self._store_failed and launcher_alive:
                 self.publish(final=True)  # a node that ends is not a node lost (one whose launcher died is)
         except Exception:
@@ -405,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aggregate", action="store_true", help="run the job-wide detectors (the rendezvous host)")
     args = p.parse_args(argv)
     if args.launcher_pid:
-        procctl.die_with_parent(signal.SIGTERM, args.launcher_pid)
+        # SIGHUP, not SIGTERM: the launcher stops us with SIGTERM when the job
+        # ends; its death (whatever its threads still do) must read differently.
+        procctl.die_with_parent(signal.SIGHUP, args.launcher_pid)
     logging.basicConfig(level=logging.WARNING, format="[trainwatch-sidecar] %(levelname)s %(message)s")
     try:
         config = SidecarConfig.read(args.config) if args.config else SidecarConfig()
@@ -414,8 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     stop = threading.Event()
+    orphaned = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: (orphaned.set(), stop.set()))
 
     tracer = otel.IncidentTracer.from_env(job=args.job, node=args.node)
     jobstore = None
@@ -439,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({e.strerror})", flush=True)
     state.write_json_atomic(sidecar.dir.sidecar_file,
                             {"pid": os.getpid(), "metrics": address, "node": args.node, "started": time.time()})
+    sidecar.orphaned = orphaned
     sidecar.run(stop)
     sidecar.close()
     return 0
