@@ -139,7 +139,8 @@ def aggregate_ms(nodes: int = 128, per_node: int = 8, rounds: int = 20) -> float
     from trainwatch import netbind
     from trainwatch.watchdog.detectors import default_detectors
     from trainwatch.watchdog.engine import DetectorEngine
-    from trainwatch.watchdog.jobwide import Aggregator, JobStore, decode_summary, encode_summary, job_scope
+    from trainwatch.jobstore import JobStore
+    from trainwatch.watchdog.jobwide import Aggregator, decode_summary, encode_summary, job_scope
 
     server = netbind.bound_store("127.0.0.1", 0, timeout=timedelta(seconds=30))
     endpoint = f"127.0.0.1:{server.port}"

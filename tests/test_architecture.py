@@ -15,7 +15,8 @@ PKG = ROOT / "trainwatch"
 # What each part may import (besides itself); see docs/architecture.md.
 BASE = {"trainwatch.slots", "trainwatch.env", "trainwatch.flags", "trainwatch.usage", "trainwatch.historyfile",
         "trainwatch.checkpoint", "trainwatch.diagnostics", "trainwatch.procctl", "trainwatch.netbind"}
-LEVEL2 = BASE | {"trainwatch.rankrow", "trainwatch.state", "trainwatch.capture", "trainwatch.liveness", "trainwatch"}
+LEVEL2 = BASE | {"trainwatch.rankrow", "trainwatch.state", "trainwatch.capture", "trainwatch.liveness",
+                 "trainwatch.jobstore", "trainwatch"}
 ALLOWED = {
     "trainwatch.diagnostics": {"trainwatch.diagnostics", "trainwatch.slots"},
     "trainwatch.slots": set(),
@@ -26,6 +27,7 @@ ALLOWED = {
     "trainwatch.checkpoint": set(),
     "trainwatch.procctl": set(),
     "trainwatch.netbind": set(),
+    "trainwatch.jobstore": set(),
     "trainwatch.liveness": BASE | {"trainwatch.state"},
     "trainwatch.rankrow": BASE,
     "trainwatch.state": BASE,

@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainwatch import netbind, slots
+from trainwatch.jobstore import JobStore
 from trainwatch.watchdog.detectors import default_detectors
 from trainwatch.watchdog.engine import DetectorEngine, _SyntheticJob
 from trainwatch.watchdog.jobwide import (
     JOB_SCOPE,
     Aggregator,
-    JobStore,
     decode_summary,
     encode_summary,
     job_scope,

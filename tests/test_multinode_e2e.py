@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -102,6 +103,16 @@ def test_a_hang_on_one_node_is_one_job_incident_and_every_node_resumes_from_one_
     seen = wait_for(lambda: (d := diagnose(nodes.homes[0], nodes.job)) and len(d["ranks"]) == 4 and d,
                     120, interval=0.5, what="node 0 to list all four ranks")
     assert {(r["rank"], r["node"]) for r in seen["ranks"]} == {(0, "n0"), (1, "n0"), (2, "n1"), (3, "n1")}
+    # ... and every rank's stack: node 1's sidecar captures its own ranks and answers through the store.
+    stacks = wait_for(lambda: (d := diagnose(nodes.homes[0], nodes.job)) and d["status"] == "running"
+                      and {r for g in d["stack_groups"] for r in g["ranks"]} == {0, 1, 2, 3} and d,
+                      90, interval=0.5, what="diagnose on node 0 to show the stacks of all four ranks")
+    assert all(g["frames"] or g["error"] for g in stacks["stack_groups"])
+    # Job-level series come from the aggregator (node 0) alone: one alert per job.
+    pages = [urllib.request.urlopen(f"http://{node_job(h, nodes.job, f'n{i}')['metrics']}/metrics", timeout=10)
+             .read().decode() for i, h in enumerate(nodes.homes)]
+    assert f'trainwatch_job_nodes{{job="{nodes.job}"}} 2.0' in pages[0] and f'trainwatch_job_ranks{{job="{nodes.job}"}} 4.0' in pages[0]
+    assert "trainwatch_job_nodes" not in pages[1]
     codes = nodes.wait()
     assert codes == [0, 0], nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
     homes = sorted(set(nodes.homes))

@@ -146,7 +146,7 @@ def capture_ranks(rows: list[dict], *, job: state.JobDir, label: str, timeout_s:
     return groups, out_dir, {str(k): c.stack.error for k, c in caps.items() if c.stack.error}
 
 
-KEEP_CAPTURES = {"diagnose": 5}
+KEEP_CAPTURES = {"diagnose": 5, "remote": 5}
 """Newest captures kept per label; other labels (incidents) keep KEEP_DEFAULT."""
 KEEP_DEFAULT = 50
 

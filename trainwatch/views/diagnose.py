@@ -8,6 +8,7 @@ incident. The JSON shape is the contract in DESIGN.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -15,9 +16,10 @@ from typing import Any
 
 import psutil
 
-from trainwatch import liveness, rankrow, slots, state
+from trainwatch import jobstore, liveness, rankrow, slots, state
 from trainwatch.capture import capture_ranks
 from trainwatch.diagnostics import verdict as verdict_mod
+from trainwatch.diagnostics.stack_groups import StackGroup
 from trainwatch.usage import Parser, fail, printable
 
 
@@ -61,6 +63,57 @@ def launch_marker(job_dir: state.JobDir) -> dict | None:
     if rec is None:
         return None
     return rec if state.pid_alive(rec.get("launcher_pid")) else None
+
+
+class RemoteCapture:
+    """Stacks of a multi-node job's other nodes: each node's sidecar captures its
+    own ranks (py-spy only ever sees local pids) and answers through the store."""
+
+    def __init__(self, store: jobstore.JobStore, n: int, nodes: set[str]):
+        self.store, self.n, self.nodes = store, n, nodes
+
+    @classmethod
+    def ask(cls, job: dict, remote_rows: list[dict]) -> RemoteCapture | None:
+        info = job.get("store") if isinstance(job.get("store"), dict) else {}
+        nodes = {str(r.get("node")) for r in remote_rows if r.get("node")}
+        if not nodes or not isinstance(info.get("endpoint"), str) or not isinstance(info.get("namespace"), str):
+            return None
+        try:
+            store = jobstore.JobStore(info["endpoint"], info["namespace"], timeout_s=3.0)
+            return cls(store, store.request_capture(str(job.get("node"))), nodes)
+        except Exception:  # the rendezvous store is gone: this node's stacks only
+            return None
+
+    def collect(self, deadline: float) -> list[StackGroup]:
+        got: dict[str, list] = {}
+        while time.monotonic() < deadline:
+            try:
+                got = self.store.stacks(self.n, sorted(self.nodes))
+            except Exception:
+                break
+            if set(got) >= self.nodes:
+                break
+            time.sleep(0.1)
+        out = []
+        for groups in got.values():
+            for g in groups:
+                try:
+                    out.append(StackGroup(**{**g, "ranks": tuple(g["ranks"]), "frames": tuple(g["frames"])}))
+                except (KeyError, TypeError):
+                    continue  # a record of another shape: left out
+        return out
+
+
+def merge_groups(groups: list[StackGroup]) -> list[StackGroup]:
+    """Groups from several nodes waiting in the same place become one."""
+    merged: dict[tuple, StackGroup] = {}
+    for g in groups:
+        key = (g.frames, g.category, g.pattern_id, g.error)
+        if key in merged:
+            merged[key] = dataclasses.replace(merged[key], ranks=tuple(sorted(set(merged[key].ranks) | set(g.ranks))))
+        else:
+            merged[key] = g
+    return sorted(merged.values(), key=lambda g: (-len(g.ranks), g.ranks))
 
 
 def phase_of_job(job: dict, ranks: list[dict], live: bool) -> str:
@@ -139,8 +192,11 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
         per_rank = max(1.0, min(5.0, timeout_s - 1.0))
         here = job.get("node") if isinstance(job.get("node"), str) else None
         local = [r for r in ranks if here is None or r.get("node") in (here, "", None)]  # py-spy: our own pids only
+        remote = RemoteCapture.ask(job, [r for r in ranks if r not in local])
         groups, _where, _failed = capture_ranks(local, job=job_dir, label="diagnose", timeout_s=per_rank,
                                                 native=native)
+        if remote is not None:
+            groups = merge_groups(groups + remote.collect(deadline=time.monotonic() + per_rank + 2.0))
     for r in ranks:
         if "state" in r:
             continue

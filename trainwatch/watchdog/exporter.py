@@ -171,6 +171,9 @@ class TrainwatchCollector(Collector):
         restarts.add_metric([job, sc.node], float(sc.restarts()))
         yield restarts
         yield from sc.hardware_metrics()
+        job_metrics = getattr(sc, "job_metrics", None)
+        if job_metrics is not None:
+            yield from job_metrics()
 
 
 class _Handler(_SilentHandler):

@@ -19,26 +19,26 @@ too) takes each one once and responds for its own ranks: captures their
 stacks, asks them for an emergency checkpoint, and asks its agent to restart,
 so every node re-rendezvouses into the same new round.
 
-Keys, under `trainwatch/<rendezvous id>/`:
-  nodes                 counter: how many node names were registered
-  node/<i>              the i-th node name
-  summary/<node>        the node's latest summary (header line + slot rows)
-  incidents             counter: job incidents published
-  incident/<n>          the n-th job incident (JSON)
+The store's keys are listed in trainwatch.jobstore.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainwatch import slots
+from trainwatch import rankrow, slots
+from trainwatch.capture import capture_ranks
+from trainwatch.jobstore import JobStore
 from trainwatch.watchdog.detectors.base import TickView
 from trainwatch.watchdog.engine import DetectorEngine
 from trainwatch.watchdog.incident import Incident
@@ -55,73 +55,6 @@ LOST_MARGIN_S = 1.0
 """A node is lost after the hang threshold less this margin of silence: its last
 summary may be PUBLISH_S old and the aggregator looks every PUBLISH_S / 2, so the
 loss is reported within the hang threshold of the node's death."""
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-class JobStore:
-    """trainwatch's keys in the rendezvous store (a client connection)."""
-
-    def __init__(self, endpoint: str, namespace: str, *, timeout_s: float = 10.0, store: Any = None):
-        if store is None:
-            from torch.distributed import TCPStore
-
-            host, port = parse_endpoint(endpoint)
-            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
-        self.store = store
-        self.prefix = f"trainwatch/{namespace}/"
-
-    def key(self, name: str) -> str:
-        return self.prefix + name
-
-    def register(self, node: str) -> None:
-        i = self.store.add(self.key("nodes"), 1) - 1
-        self.store.set(self.key(f"node/{i}"), node)
-
-    def nodes(self) -> list[str]:
-        n = self.store.add(self.key("nodes"), 0)
-        if n <= 0:
-            return []
-        names = self.store.multi_get([self.key(f"node/{i}") for i in range(n)])
-        return list(dict.fromkeys(b.decode(errors="replace") for b in names))
-
-    def publish(self, node: str, payload: bytes) -> None:
-        self.store.set(self.key(f"summary/{node}"), payload)
-
-    def summaries(self, nodes: list[str]) -> list[bytes | None]:
-        keys = [self.key(f"summary/{n}") for n in nodes]
-        if not keys:
-            return []
-        if self.store.check(keys):  # the usual case: every node has published (one round trip)
-            return list(self.store.multi_get(keys))
-        present = [self.store.check([k]) for k in keys]
-        found = self.store.multi_get([k for k, ok in zip(keys, present) if ok]) if any(present) else []
-        it = iter(found)
-        return [next(it) if ok else None for ok in present]
-
-    def add_incident(self, record: dict) -> int:
-        n = self.store.add(self.key("incidents"), 1)
-        self.store.set(self.key(f"incident/{n}"), json.dumps(record, default=str))
-        return n
-
-    def incidents_since(self, seen: int) -> tuple[int, list[dict]]:
-        """(new high-water mark, job incidents after `seen`); one not yet written is taken next time."""
-        n = self.store.add(self.key("incidents"), 0)
-        out: list[dict] = []
-        for i in range(seen + 1, n + 1):
-            key = self.key(f"incident/{i}")
-            if not self.store.check([key]):
-                return i - 1, out
-            try:
-                record = json.loads(self.store.get(key))
-            except ValueError:
-                record = None
-            if isinstance(record, dict):
-                out.append(record)
-        return n, out
 
 
 # ---- summaries --------------------------------------------------------------------------
@@ -258,3 +191,127 @@ class Aggregator:
 def job_scope(detectors: list, *, aggregator: bool) -> list:
     """The detectors a node runs: the job-scope ones on the aggregator only, the others everywhere."""
     return [d for d in detectors if (d.name in JOB_SCOPE) == aggregator]
+
+
+# ---- one node's part in the job-wide watchdog ------------------------------------------
+
+
+class JobWideNode:
+    """What a node's sidecar does for the job-wide view, each round: publish its
+    summary, aggregate (on the rendezvous host), answer stack capture requests
+    and take the job's incidents. The store going away never stops the node's
+    own watchdog: the view pauses and says so once."""
+
+    def __init__(self, sidecar: Any, store: JobStore, aggregate: bool, detectors: list):
+        self.sidecar = sidecar
+        self.store = store
+        self.aggregator: Aggregator | None = None
+        if aggregate:
+            floor_s = sidecar.config.detectors.hang.floor_s
+            self.aggregator = Aggregator(DetectorEngine(job_scope(detectors, aggregator=True),
+                                                        config=sidecar.config.engine),
+                                         lost_after_s=max(2.0, floor_s - LOST_MARGIN_S), clock=sidecar.clock)
+        self.published_seq = 0
+        self.published_at = -1e9
+        self.aggregated_at = -1e9
+        self.incidents_seen = 0
+        self.captures_seen = 0
+        self.incident_counts: dict[str, int] = {}
+        self.published_incidents = 0
+        self.store_failed = False
+
+    def round(self, urgent: bool) -> None:
+        sc = self.sidecar
+        try:
+            now = sc.clock()
+            if urgent or now - self.published_at >= PUBLISH_S:
+                self.publish()
+            if self.aggregator is not None and now - self.aggregated_at >= PUBLISH_S / 2:
+                self.aggregated_at = now
+                self.aggregate()
+            for n in self.store.capture_requests(self.captures_seen, sc.node):
+                self.captures_seen = n
+                threading.Thread(target=self.capture_for, args=(n,), daemon=True,
+                                 name="trainwatch-remote-capture").start()
+            self.incidents_seen, records = self.store.incidents_since(self.incidents_seen)
+            for record in records:
+                sc.emit(record)
+            self.store_failed = False
+        except Exception as e:  # a store that went away raises torch's DistNetworkError, RuntimeError, ...
+            if not self.store_failed:
+                print(f"[trainwatch] job-wide view paused: the rendezvous store is unreachable ({e})",
+                      file=sc.out, flush=True)
+            self.store_failed = True
+
+    def publish(self, *, final: bool = False) -> None:
+        sc = self.sidecar
+        table = sc.last_table if sc.last_table is not None else np.zeros(0, dtype=slots.slot_dtype())
+        self.published_seq += 1
+        self.published_at = sc.clock()
+        self.store.publish(sc.node, encode_summary(sc.node, self.published_seq, self.published_at, table,
+                                                   final=final))
+
+    def summaries(self) -> list[Summary]:
+        return [s for s in map(decode_summary, self.store.summaries(self.store.nodes())) if s is not None]
+
+    def aggregate(self) -> None:
+        sc = self.sidecar
+        for incident in self.aggregator.tick(self.summaries()):
+            record = incident.to_json()
+            nodes = self.aggregator.nodes_of(record.get("culprit_ranks") or [])
+            if incident.kind == "node_lost":
+                nodes = [incident.evidence["node"]]
+            self.published_incidents += 1
+            record.update(scope="job", nodes=nodes, node=",".join(nodes) or sc.node,
+                          id=f"job-{sc.run_id or os.getpid()}-{self.published_incidents}-{incident.kind}")
+            self.incident_counts[incident.kind] = self.incident_counts.get(incident.kind, 0) + 1
+            self.store.add_incident(record)
+
+    def capture_for(self, n: int) -> None:
+        """Another node's `diagnose` asked for every rank's stack: this node's ranks, grouped."""
+        sc = self.sidecar
+        try:
+            rows = [r for r in sc.snapshot() if r.get("pid")]
+            groups, _where, _failed = capture_ranks(rows, job=sc.dir, label="remote", timeout_s=5.0)
+            self.store.publish_stacks(n, sc.node, [dataclasses.asdict(g) for g in groups])
+        except Exception:  # the asking side times out and says so
+            log.exception("trainwatch: remote stack capture failed")
+
+    def job_rows(self) -> list[dict]:
+        """Every other node's ranks, from their summaries (for telemetry.json and diagnose)."""
+        out = []
+        for s in self.summaries():
+            if s.node == self.sidecar.node:
+                continue
+            live = s.table[s.table["pid"] > 0]
+            # Ages as the node saw them when it published.
+            out += rankrow.rows_json(rankrow.decode(live, s.now, [s.node] * len(live)))
+        return out
+
+    def job_metrics(self) -> Iterator:
+        """Job-level series, from the aggregator only: an alert on them fires once
+        per job, not once per node."""
+        if self.aggregator is None:
+            return
+        table, _labels = self.aggregator.table()
+        seen = self.aggregator.nodes
+        progress = table["progress_mono"][table["progress_mono"] > 0] if len(table) else np.zeros(0)
+        values = {
+            "trainwatch_job_nodes": ("Nodes of the job that have published a summary.", len(seen)),
+            "trainwatch_job_nodes_lost": ("Nodes whose watchdog went silent (node_lost).",
+                                          sum(s.lost for s in seen.values())),
+            "trainwatch_job_ranks": ("Ranks of the job, every node.", len(table)),
+            "trainwatch_job_min_step": ("Lowest last completed step over every rank of the job.",
+                                        int(table["step"].min()) if len(table) else 0),
+            "trainwatch_job_max_progress_age_seconds": ("Longest time since a rank of the job made progress.",
+                                                        self.sidecar.clock() - progress.min() if len(progress) else 0.0),
+        }
+        job = self.sidecar.job
+        for name, (doc, value) in values.items():
+            g = GaugeMetricFamily(name, doc, labels=["job"])
+            g.add_metric([job], float(value))
+            yield g
+        c = CounterMetricFamily("trainwatch_job_incidents", "Job-wide incidents, by kind.", labels=["job", "kind"])
+        for kind, n in sorted(self.incident_counts.items()):
+            c.add_metric([job, kind], float(n))
+        yield c

@@ -259,6 +259,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     if not single_node and launch_config.rdzv_backend == "c10d":
         extra = ["--store", _store_address(launch_config.rdzv_endpoint), "--store-namespace", launch_config.run_id]
         extra += ["--aggregate"] if hosts_store else []
+        job_dir.update_job(store={"endpoint": extra[1], "namespace": extra[3]})  # for diagnose's remote stacks
     sidecar = SidecarProcess(config, segment_path, node, run_id, extra)
     sidecar.start()
     ready = sidecar.wait_ready()

@@ -35,7 +35,8 @@ from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, ser
 from trainwatch.watchdog.hardware import HardwareMonitor
 from trainwatch.watchdog.history import HistoryWriter
 from trainwatch.watchdog.incident import Incident
-from trainwatch.watchdog.jobwide import LOST_MARGIN_S, PUBLISH_S, Aggregator, JobStore, decode_summary, encode_summary, job_scope
+from trainwatch.jobstore import JobStore
+from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.recovery import RestartTracker
 from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate
 
@@ -84,20 +85,10 @@ class Sidecar:
         detectors = detectors if detectors is not None else default_detectors(self.config.detectors)
         # Multi-node: this node watches its own ranks; the job-scope detectors
         # run once for the whole job, on the aggregator (trainwatch.watchdog.jobwide).
-        self.jobstore = jobstore
-        self.aggregator: Aggregator | None = None
+        self.jobwide: JobWideNode | None = None
         if jobstore is not None:
-            if aggregate:
-                self.aggregator = Aggregator(DetectorEngine(job_scope(detectors, aggregator=True),
-                                                            config=self.config.engine),
-                                             lost_after_s=max(2.0, self.config.detectors.hang.floor_s - LOST_MARGIN_S),
-                                             clock=clock)
+            self.jobwide = JobWideNode(self, jobstore, aggregate, detectors)
             detectors = job_scope(detectors, aggregator=False)
-        self._published_seq = 0
-        self._published_at = -1e9
-        self._aggregated_at = -1e9
-        self._job_incidents_seen = 0
-        self._store_failed = False
         self.engine = DetectorEngine(detectors, config=self.config.engine)
         self.tracer = tracer
         self.recovery = RestartTracker(self.dir, clock)
@@ -111,6 +102,9 @@ class Sidecar:
         self.history = HistoryWriter(self.dir.history_file(self.node), clock=clock)
 
     # ---- what the exporter reads ------------------------------------------------------
+
+    def job_metrics(self) -> Iterator:
+        return self.jobwide.job_metrics() if self.jobwide is not None else iter(())
 
     def straggler_ratios(self) -> dict[int, float]:
         det = self.engine.detector("straggler")
@@ -157,9 +151,9 @@ class Sidecar:
 
     def write_snapshot(self) -> None:
         record = {"node": self.node, "time": time.time(), "ranks": self.snapshot()}
-        if self.jobstore is not None and not self._store_failed:
+        if self.jobwide is not None and not self.jobwide.store_failed:
             try:
-                record["job_ranks"] = self.job_rows()
+                record["job_ranks"] = self.jobwide.job_rows()
             except Exception:  # the store is gone: this node's ranks still count
                 pass
         state.write_json_atomic(self.dir.telemetry_file, record, durable=False)
@@ -194,61 +188,9 @@ class Sidecar:
             new.extend(source.poll_incidents(self))
         for incident in new:
             self.emit(incident)
-        if self.jobstore is not None:
-            self._job_round(bool(new))
+        if self.jobwide is not None:
+            self.jobwide.round(bool(new))
         return new
-
-    # ---- multi-node: the job-wide round ---------------------------------------------
-
-    def _job_round(self, urgent: bool) -> None:
-        """Publish this node's summary, aggregate (on the aggregator) and take the
-        job's incidents. The store going away must not stop the node's watchdog."""
-        try:
-            now = self.clock()
-            if urgent or now - self._published_at >= PUBLISH_S:
-                self.publish()
-            if self.aggregator is not None and now - self._aggregated_at >= PUBLISH_S / 2:
-                self._aggregated_at = now
-                self.aggregate()
-            self._job_incidents_seen, records = self.jobstore.incidents_since(self._job_incidents_seen)
-            for record in records:
-                self.emit(record)
-            self._store_failed = False
-        except Exception as e:  # a store that went away raises torch's DistNetworkError, RuntimeError, ...
-            if not self._store_failed:
-                print(f"[trainwatch] job-wide view paused: the rendezvous store is unreachable ({e})",
-                      file=self.out, flush=True)
-            self._store_failed = True
-
-    def publish(self, *, final: bool = False) -> None:
-        table = self.last_table if self.last_table is not None else np.zeros(0, dtype=slots.slot_dtype())
-        self._published_seq += 1
-        self._published_at = self.clock()
-        self.jobstore.publish(self.node, encode_summary(self.node, self._published_seq, self._published_at, table,
-                                                        final=final))
-
-    def aggregate(self) -> None:
-        summaries = [s for s in map(decode_summary, self.jobstore.summaries(self.jobstore.nodes())) if s is not None]
-        for incident in self.aggregator.tick(summaries):
-            record = incident.to_json()
-            nodes = self.aggregator.nodes_of(record.get("culprit_ranks") or [])
-            if incident.kind == "node_lost":
-                nodes = [incident.evidence["node"]]
-            record.update(scope="job", nodes=nodes, node=",".join(nodes) or self.node,
-                          id=f"job-{self.run_id or os.getpid()}-{self._incident_seq + 1}-{incident.kind}")
-            self._incident_seq += 1
-            self.jobstore.add_incident(record)
-
-    def job_rows(self) -> list[dict]:
-        """Every other node's ranks, from their summaries (for telemetry.json and diagnose)."""
-        out = []
-        for s in map(decode_summary, self.jobstore.summaries(self.jobstore.nodes())):
-            if s is None or s.node == self.node:
-                continue
-            live = s.table[s.table["pid"] > 0]
-            # Ages as the node saw them when it published.
-            out += rankrow.rows_json(rankrow.decode(live, s.now, [s.node] * len(live)))
-        return out
 
     def emit(self, incident: Incident | dict) -> dict:
         """Record, print and hand on an incident, at once: the response follows."""
@@ -315,8 +257,8 @@ class Sidecar:
             self.write_snapshot()
             launcher_alive = not self.orphaned.is_set() and (
                 not self.launcher_pid or procctl.parent_alive(self.launcher_pid))
-            if self.jobstore is not None and not self._store_failed and launcher_alive:
-                self.publish(final=True)  # a node that ends is not a node lost (one whose launcher died is)
+            if self.jobwide is not None and not self.jobwide.store_failed and launcher_alive:
+                self.jobwide.publish(final=True)  # a node that ends is not a node lost (one whose launcher died is)
         except Exception:
             log.exception("trainwatch sidecar: final snapshot failed")
         if self.responder is not None:
