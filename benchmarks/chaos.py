@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from common import BIN, ROOT, env_for, job_json, log, new_home, wait_for
+from common import BIN, ROOT, env_for, finish, job_json, log, new_home, wait_for
 
 SCRIPT = ROOT / "tests" / "scripts" / "plain_ddp.py"
 TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--log-interval", "5"]
@@ -92,15 +92,6 @@ def start(home: Path, *args: str, preexec=None) -> subprocess.Popen:
 def run(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "trainwatch"), *args], env=env_for(home), cwd=str(ROOT),
                           capture_output=True, text=True, timeout=timeout)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-    return out or ""
 
 
 def children(pid: int) -> list[psutil.Process]:

@@ -37,6 +37,11 @@ def launch(home: Path, *args: str) -> subprocess.Popen:
 def stop(proc: subprocess.Popen, timeout: float = 60) -> str:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
+    return finish(proc, timeout)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    """Its output once it ends; its whole process group killed after `timeout`."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,20 +36,19 @@ from pathlib import Path
 
 import numpy as np
 
+from trainwatch import netbind
+
 from common import BIN, ROOT, env_for, log, wait_for
 
 TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--log-interval", "20"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return netbind.free_port()
 
 
 def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+    return netbind.is_listening("127.0.0.1", port)
 
 
 def start_nodes(root: Path, job: str, port: int, *args: str) -> tuple[list[Path], list[subprocess.Popen]]:

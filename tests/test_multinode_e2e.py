@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from trainwatch import netbind
 from util import BIN, ROOT, env_for, events, wait_for
 
 pytestmark = pytest.mark.slow
@@ -24,14 +24,11 @@ TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--log-interval",
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return netbind.free_port()
 
 
 def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+    return netbind.is_listening("127.0.0.1", port)
 
 
 class Nodes:
@@ -152,3 +149,19 @@ def test_a_lost_node_is_named_and_the_survivor_stops_cleanly(nodes, kill):
     assert code != 0 and "succeeded" not in out, out[-3000:]
     assert "the nodes did not meet again" in out and "Traceback" not in out, out[-3000:]
     assert node_job(nodes.homes[0], nodes.job, "n0")["status"] == "failed"
+
+
+def test_diagnose_on_node_0_names_the_culprit_on_node_1(tmp_path):
+    nodes = Nodes(tmp_path)
+    try:
+        nodes.start("--no-restart", "--inject", "hang:rank=3,step=15,where=compute", *TRAINER, "--max-steps", "100000")
+        wait_for(lambda: [e for e in events(nodes.homes[0], nodes.job) if e["kind"] == "hang"], 120,
+                 what="the job's hang incident on node 0")
+        report = diagnose(nodes.homes[0], nodes.job)
+        assert report["verdict"]["culprit_ranks"] == [3], report["verdict"]
+        nodes_of = {r["rank"]: r["node"] for r in report["ranks"]}
+        assert nodes_of[3] == "n1" and report["status"] == "running"
+        # Rank 3's stack came from node 1's sidecar: it is in a group of its own.
+        assert [g for g in report["stack_groups"] if g["ranks"] == [3]], report["stack_groups"]
+    finally:
+        nodes.stop()

@@ -319,3 +319,48 @@ def test_a_collective_broken_by_a_dead_peer_is_one_line_not_a_traceback() -> Non
 
     assert peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:41346."))
     assert not peer_lost(RuntimeError("CUDA error: an illegal memory access was encountered"))
+
+
+def _agree_worker(rank: int, root: str, steps: list, result: str) -> None:
+    import json as json_
+
+    import torch.distributed as dist_
+
+    from trainwatch.checkpoint import CheckpointError
+    from trainwatch.trainer.resume import Resume, agree
+
+    dist_.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=2)
+    mine = steps[rank]
+    ckpt_dir = Path(root) / f"node{rank}"
+    available = {s: str(save_checkpoint(ckpt_dir, s, {"step": s, "model": {}}, keep=None)) for s in mine}
+    resume = Resume({"step": max(mine)}, available[max(mine)], max(mine), available) if mine else Resume()
+    cfg = resolve(TrainConfig(model_size="tiny", ckpt_dir=str(ckpt_dir)))
+    try:
+        out = agree(resume, cfg, lambda msg: None)
+        answer = {"step": out.step if out.state is not None else None, "where": out.where}
+    except CheckpointError as e:
+        answer = {"error": str(e)}
+    Path(result.format(rank=rank)).write_text(json_.dumps(answer))
+    dist_.destroy_process_group()
+
+
+@pytest.mark.parametrize("steps, expected", [
+    ([[10, 20, 30], [10, 20]], 20),  # node 1 never got step 30: both resume from 20
+    ([[10, 20], [10, 20]], 20),
+    ([[], []], None),  # a fresh start everywhere
+    ([[30], []], "error"),  # node 1 has nothing the others have: a clear error, never divergence
+])
+def test_every_rank_resumes_from_the_newest_step_all_of_them_hold(tmp_path: Path, steps, expected) -> None:
+    import torch.multiprocessing as mp
+
+    result = str(tmp_path / "r{rank}.json")
+    mp.spawn(_agree_worker, args=(str(tmp_path), steps, result), nprocs=2, join=True)
+    import json as json_
+
+    answers = [json_.loads(Path(result.format(rank=r)).read_text()) for r in range(2)]
+    if expected == "error":
+        assert all("no checkpoint of a step the other ranks have" in a.get("error", "") for a in answers), answers
+    else:
+        assert [a["step"] for a in answers] == [expected, expected], answers
+        if expected is not None:
+            assert all(a["where"].endswith(f"step-{expected:08d}") for a in answers), answers

@@ -66,21 +66,27 @@ class JobStore:
         it = iter(found)
         return [next(it) if ok else None for ok in present]
 
+    def high_water(self, counter: str) -> int:
+        """How many records a counter ("incidents", "captures") has numbered so far."""
+        return int(self.store.add(self.key(counter), 0))
+
     def request_capture(self, node: str) -> int:
         """Ask every other node's sidecar to capture its ranks' stacks; the request's number."""
         n = self.store.add(self.key("captures"), 1)
         self.store.set(self.key(f"capture/{n}/from"), node)
         return n
 
-    def capture_requests(self, seen: int, node: str) -> list[int]:
-        """Capture requests after `seen` that another node made."""
+    def capture_requests(self, seen: int, node: str) -> tuple[int, list[int]]:
+        """(new high-water mark, capture requests after `seen` that another node made)."""
         n = self.store.add(self.key("captures"), 0)
         out = []
         for i in range(seen + 1, n + 1):
             key = self.key(f"capture/{i}/from")
-            if self.store.check([key]) and self.store.get(key).decode(errors="replace") != node:
+            if not self.store.check([key]):
+                return i - 1, out  # asked, not yet signed: next round
+            if self.store.get(key).decode(errors="replace") != node:
                 out.append(i)
-        return out
+        return n, out
 
     def publish_stacks(self, n: int, node: str, groups: list[dict]) -> None:
         self.store.set(self.key(f"capture/{n}/stacks/{node}"), json.dumps(groups, default=str))

@@ -26,6 +26,18 @@ def listening_socket(address: str, port: int) -> socket.socket:
     return sock
 
 
+def free_port(address: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (for tests and benchmarks)."""
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def is_listening(address: str, port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((address, port)) == 0
+
+
 def bound_store(address: str, port: int, *, world_size: int | None = None, timeout: Any,
                 use_libuv: bool = True) -> Any:
     """A TCPStore server listening on address:port only (port 0: a free one)."""

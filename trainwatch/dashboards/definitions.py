@@ -87,6 +87,18 @@ def overview_dashboard() -> dm.Dashboard:
             [query(AGE, RANK_LEGEND)],
             unit="s", threshold=STALL_SECONDS, minimum=0,
         ))
+        .with_row(db.Row("Nodes"))
+        .with_panel(graph(
+            "Lowest step per node",
+            "The slowest rank's step on each node of the job. A node whose line stops while the others wait is where the fault is; a node whose line vanishes was lost (the node_lost incident names it).",
+            [query(f"min by (job, node) (trainwatch_step{{{RANK}}})", "{{job}} {{node}}")],
+        ))
+        .with_panel(graph(
+            "Longest progress age per node",
+            f"Seconds since the least recent progress of any rank on each node. One node climbing alone holds the job back; every node climbing together is a job-wide wait. The dashed line is the {STALL_SECONDS} s stall alert.",
+            [query(f"max by (job, node) ({AGE})", "{{job}} {{node}}")],
+            unit="s", threshold=STALL_SECONDS, minimum=0,
+        ))
         .with_row(db.Row("Model health"))
         .with_panel(graph(
             "Loss",

@@ -26,7 +26,7 @@ LISTEN_BACKLOG = 256
 """Connections the kernel queues while every handler is busy (Python's default is 5)."""
 
 INCIDENT_KINDS = ("hang", "collective_mismatch", "straggler", "crash", "loss_nan", "loss_spike",
-                  "grad_explosion", "xid", "ecc", "restart")
+                  "grad_explosion", "xid", "ecc", "restart", "node_lost")
 
 # Step-duration buckets (seconds): from fast GPU steps to multi-minute ones.
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

@@ -214,8 +214,11 @@ class JobWideNode:
         self.published_seq = 0
         self.published_at = -1e9
         self.aggregated_at = -1e9
-        self.incidents_seen = 0
-        self.captures_seen = 0
+        # A sidecar started again mid-job takes only what comes from now on.
+        try:
+            self.incidents_seen, self.captures_seen = store.high_water("incidents"), store.high_water("captures")
+        except Exception:  # the store is away: the first round says so
+            self.incidents_seen = self.captures_seen = 0
         self.incident_counts: dict[str, int] = {}
         self.published_incidents = 0
         self.store_failed = False
@@ -229,8 +232,8 @@ class JobWideNode:
             if self.aggregator is not None and now - self.aggregated_at >= PUBLISH_S / 2:
                 self.aggregated_at = now
                 self.aggregate()
-            for n in self.store.capture_requests(self.captures_seen, sc.node):
-                self.captures_seen = n
+            self.captures_seen, requests = self.store.capture_requests(self.captures_seen, sc.node)
+            for n in requests:
                 threading.Thread(target=self.capture_for, args=(n,), daemon=True,
                                  name="trainwatch-remote-capture").start()
             self.incidents_seen, records = self.store.incidents_since(self.incidents_seen)

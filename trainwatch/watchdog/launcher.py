@@ -267,7 +267,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     job_dir.update_job(sidecar_pid=sidecar.proc.pid if sidecar.proc else None, metrics=metrics)
     if metrics:
         print(f"[trainwatch] metrics: http://{metrics}/metrics", flush=True)
-        target = state.write_scrape_target(config.job, node, metrics)
+        target = state.write_scrape_target(config.job, node, _reachable(metrics))
         if target is None:
             print(f"[trainwatch] warning: cannot write the Prometheus target under {state.targets_dir()}; "
                   "set TRAINWATCH_TARGETS_DIR to a writable directory", flush=True)
@@ -372,6 +372,13 @@ def rendezvous_handler(params, bind: str | None):
     else:
         store = netbind.bound_store(bind, port, timeout=timeout)
     return create_handler(store, C10dRendezvousBackend(store, params.run_id), params), True
+
+
+def _reachable(address: str) -> str:
+    """An exporter bound to every interface is listed under this machine's name
+    (a Prometheus elsewhere cannot scrape 0.0.0.0)."""
+    host, _, port = address.rpartition(":")
+    return f"{socket.getfqdn()}:{port}" if host.strip("[]") in ("0.0.0.0", "::", "") else address
 
 
 def _store_address(endpoint: str) -> str:

@@ -208,7 +208,10 @@ class Sidecar:
             self.recovery.note_fault(record, table)
         self.dir.append_event(record)
         kind = record.get("kind", "unknown")
-        self.incident_counts[kind] = self.incident_counts.get(kind, 0) + 1
+        # A job incident is counted by the aggregator's node alone: alerts on the
+        # counters fire once per job, not once per node that took it.
+        if record.get("scope") != "job" or self.jobwide is None or self.jobwide.aggregator is not None:
+            self.incident_counts[kind] = self.incident_counts.get(kind, 0) + 1
         self.incidents.append(record)
         culprits = ",".join(str(r) for r in record.get("culprit_ranks") or []) or "-"
         if record.get("scope") == "job" and record.get("nodes"):
