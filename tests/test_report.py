@@ -399,3 +399,21 @@ def test_report_of_a_running_job(tmp_path):
     assert data["status"] == "running" and sorted(data["series"]) == ["0", "1"]
     dom, _ = render_in_chromium(tmp_path / "live.html", tmp_path)
     assert 'data-errors="0"' in re.search(r"<body[^>]*>", dom).group(0)
+
+
+def test_report_out_never_replaces_a_link_or_a_device(home, tmp_path):
+    fake_job(home)
+    # '-': the page on stdout, the summary on stderr.
+    r = trainwatch(home, "report", "synth", "--out", "-")
+    assert r.returncode == 0 and r.stdout.lower().startswith("<!doctype html>") and "wrote the page to stdout" in r.stderr
+    # A symlink: the file it names gets the page; the link stays a link.
+    target = tmp_path / "real.html"
+    link = tmp_path / "link.html"
+    link.symlink_to(target)
+    r = trainwatch(home, "report", "synth", "--out", str(link))
+    assert r.returncode == 0 and "through the symlink" in r.stdout, r.stderr
+    assert link.is_symlink() and target.stat().st_size > 10_000
+    # A character device (/dev/null): written through, never replaced by a file.
+    r = trainwatch(home, "report", "synth", "--out", "/dev/null")
+    assert r.returncode == 0, r.stderr
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
