@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from util import BIN, env_for, events, job_json, start, wait_for
+from util import BIN, env_for, events, job_json, reap, start, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +47,7 @@ def run_fault(tmp_path, job, inject, kind, *, extra=(), timeout=120, diagnose=No
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        reap(tmp_path)
 
 
 HANGS = [

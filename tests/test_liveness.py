@@ -148,3 +148,22 @@ def test_exporter_closes_idle_connections_and_queues_many(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_ended_runs_leftover_segment_is_removed_and_no_other_jobs(home):
+    job = state.JobDir("ended").create()
+    mine = f"/dev/shm/trainwatch-{os.getuid()}-ended@n-{os.urandom(4).hex()}.slots"
+    other = f"/dev/shm/trainwatch-{os.getuid()}-other@n-{os.urandom(4).hex()}.slots"
+    for seg in (mine, other):
+        slots.create_segment(seg, 1)
+    try:
+        job.update_job(status="failed", slots=mine, node="n")
+        assert liveness.status(job) == "failed"
+        assert not os.path.exists(mine)
+        job.update_job(slots=other)  # a record pointing at another job's segment
+        liveness.status(job)
+        assert os.path.exists(other)
+    finally:
+        for seg in (mine, other):
+            if os.path.exists(seg):
+                os.unlink(seg)

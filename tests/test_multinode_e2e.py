@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from trainwatch import netbind
-from util import BIN, ROOT, env_for, events, wait_for
+from util import BIN, ROOT, env_for, events, reap, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +69,9 @@ class Nodes:
             except ProcessLookupError:
                 pass
             p.wait()
+        for home in set(self.homes):
+            if home.exists():
+                reap(home)
 
 
 @pytest.fixture(params=["per-node homes", "shared home"])

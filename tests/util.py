@@ -99,6 +99,13 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
     proc.wait()
 
 
+def reap(home: Path) -> None:
+    """After a launcher was killed: the next reader marks its run lost and removes
+    its shared-memory segment and target file (a test leaves none behind)."""
+    subprocess.run([str(BIN / "trainwatch"), "jobs"], env=env_for(home), capture_output=True, timeout=60,
+                   cwd=str(ROOT))
+
+
 @contextlib.contextmanager
 def running_plain_job(home: Path, job: str):
     """A real 2-rank `trainwatch launch` of the unmodified DDP script, running
@@ -120,3 +127,4 @@ def running_plain_job(home: Path, job: str):
         yield wait_for(recorded, 120, interval=0.2, what="the metrics address in job.json")
     finally:
         stop_group(proc)
+        reap(home)

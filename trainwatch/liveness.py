@@ -94,6 +94,8 @@ def status(job_dir: state.JobDir, record: dict | None = None) -> str:
     if not isinstance(current, str):
         return "unknown"
     if current not in LIVE_STATUSES or is_held(job_dir):
+        if current not in LIVE_STATUSES and not is_held(job_dir):
+            remove_segment(record.get("slots"), job_dir.job)  # an ended run's, should its launcher have left it
         return current
     if not job_dir.lock_file.exists() and state.live_status(record) != "lost":
         return current  # a run from before job locks: its launcher pid decides
@@ -136,7 +138,7 @@ def reap(job_dir: state.JobDir, record: dict, *, locked: bool = False) -> None:
 
 
 def _reap(job_dir: state.JobDir, record: dict) -> None:
-    remove_segment(record.get("slots"))
+    remove_segment(record.get("slots"), job_dir.job)
     node = record.get("node")
     if isinstance(node, str):
         state.remove_scrape_target(job_dir.job, node)
@@ -148,10 +150,12 @@ def _reap(job_dir: state.JobDir, record: dict) -> None:
             pass
 
 
-def remove_segment(path: object) -> None:
+def remove_segment(path: object, job: str | None = None) -> None:
     """Remove a dead run's slot segment: only a regular file of ours, named as
-    trainwatch names segments (a job.json is not trusted to point anywhere)."""
-    if not isinstance(path, str) or not Path(path).name.startswith(f"trainwatch-{os.getuid()}-"):
+    trainwatch names segments (of `job`, when given): a job.json is not
+    trusted to point anywhere."""
+    prefix = f"trainwatch-{os.getuid()}-" + (f"{job}@" if job else "")
+    if not isinstance(path, str) or not Path(path).name.startswith(prefix):
         return
     try:
         st = os.lstat(path)

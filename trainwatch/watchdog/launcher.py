@@ -326,6 +326,10 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         else:
             raise
     finally:
+        # A second Ctrl-C or SIGTERM must not cut the clean-up short (a segment
+        # or target file left behind); what it asked for is under way.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         try:
             agent._shutdown()
         except Exception:

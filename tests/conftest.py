@@ -1,0 +1,41 @@
+"""Session-wide guarantees: a test run leaves no shared-memory segment behind.
+
+Tests kill launchers on purpose (SIGKILL cannot be cleaned up after); what
+they left is what any later `trainwatch jobs` would reap. At the end of the
+session every job directory under this session's temporary homes is read
+once the way `trainwatch jobs` reads it, which removes those runs' segments
+and target files. Only this session's homes are visited: other trainwatch
+jobs on the machine are never touched."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_segments(tmp_path_factory):
+    yield
+    from trainwatch import liveness, state
+
+    base = tmp_path_factory.getbasetemp()
+    records = list(base.rglob("jobs/*/job.json")) + list(base.rglob("jobs/*/nodes/*/job.json"))
+    saved = {k: os.environ.get(k) for k in ("TRAINWATCH_HOME", "TRAINWATCH_TARGETS_DIR")}
+    try:
+        for path in records:
+            home = next(p for p in path.parents if p.name == "jobs").parent
+            os.environ["TRAINWATCH_HOME"] = str(home)
+            os.environ.pop("TRAINWATCH_TARGETS_DIR", None)
+            record = state.read_json(path)
+            if record is not None:
+                try:
+                    liveness.status_of(record)
+                except Exception:  # a hostile record from a test: nothing of ours to reap
+                    pass
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
