@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 
@@ -18,7 +17,7 @@ import requests
 import yaml
 from grafana_foundation_sdk.models import dashboard as dm
 
-from trainwatch import dashboards
+from trainwatch import dashboards, netbind
 from trainwatch.dashboards.definitions import DASHBOARDS
 from trainwatch.dashboards.panels import DATASOURCE_UID, STALL_SECONDS, STRAGGLER_RATIO
 from trainwatch.diagnostics.runbooks import get_runbook
@@ -286,12 +285,6 @@ EMPTY_OK = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     """The shipped prometheus.yml and alert-rules.yml run by a real Prometheus
@@ -309,7 +302,7 @@ def prometheus(tmp_path_factory):
     shutil.copy(OUT / "alert-rules.yml", cfg_dir / "alert-rules.yml")
     (home / "targets").mkdir(mode=0o700)
     (cfg_dir / "targets").symlink_to(home / "targets")
-    port = free_port()
+    port = netbind.free_port()
     log_path = cfg_dir / "prometheus.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
