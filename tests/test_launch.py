@@ -68,6 +68,17 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     assert "Traceback" not in r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("value", ["", "lots"])
+def test_a_flight_recorder_size_torch_would_hang_on_is_refused(tmp_path, value):
+    """torch hangs every rank in init_process_group with a non-numeric
+    TORCH_FR_BUFFER_SIZE (even empty): refuse it before any rank starts."""
+    r = trainwatch(tmp_path, "launch", "--nproc-per-node", "1", "--job", "frs", str(SCRIPTS / "plain_ddp.py"),
+                   TORCH_FR_BUFFER_SIZE=value)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "TORCH_FR_BUFFER_SIZE" in lines[0], r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
 def test_trainer_bad_input_is_checked_before_any_rank_starts(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -263,6 +263,34 @@ def test_collectives_are_counted_and_mark_the_rank_waiting(tmp_path):
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
+_FR_AFTER_DESTROY = """
+import os, sys
+os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
+import torch, torch.distributed as dist
+from trainwatch.rank.flightrec import FlightRecorderReader
+fr = FlightRecorderReader()
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+for _ in range(3):
+    dist.all_reduce(torch.ones(2))
+live = fr.sample()
+assert live and fr.available and live[0].completed >= 3, live
+dist.destroy_process_group()
+assert fr.sample() == live, fr.sample()
+print("ok")
+"""
+
+
+def test_flight_recorder_state_outlives_the_group(tmp_path):
+    """A sampler round after destroy_process_group republishes the groups'
+    final state, never the wrapper's counts (they miss DDP's collectives)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _FR_AFTER_DESTROY, str(tmp_path / "store")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
 def test_stable_group_ids_mean_the_same_group_on_every_rank():
     from trainwatch.rank.flightrec import stable_group_id
 

@@ -27,6 +27,10 @@ class FlightRecorderReader:
         self._fn = None
         self._names: dict[int, int] = {}
         """Local pg_id -> stable_group_id, learnt from entries (they roll out of the buffer)."""
+        self._last: list[slots.CollectiveGroup] | None = None
+        """The groups' final state once the process group is destroyed: a
+        round after `destroy_process_group` republishes it rather than
+        falling back to the wrapper's counts, which miss DDP's own collectives."""
         if not os.environ.get(env.FR_BUFFER_SIZE):
             return
         try:
@@ -43,10 +47,11 @@ class FlightRecorderReader:
             import torch.distributed as dist
 
             if not dist.is_available() or not dist.is_initialized():
-                return None
+                return self._last
             data = json.loads(self._fn(includeCollectives=True, onlyActive=False))
         except Exception:
             self.available = False
+            self._last = None
             return None
         status = data.get("pg_status") or {}
         last_ops: dict[int, str] = {}
@@ -79,6 +84,7 @@ class FlightRecorderReader:
                 continue
         groups.sort(key=lambda g: g.pg)
         self.available = True
+        self._last = groups
         return groups
 
 

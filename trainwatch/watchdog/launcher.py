@@ -132,6 +132,11 @@ def launch(argv: list[str]) -> int:
 
 def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock) -> int:
     args, config = parse(argv, default_job=early)
+    fr_size = os.environ.get(env.FR_BUFFER_SIZE)
+    if fr_size is not None and not fr_size.strip().isdigit():
+        # torch reads it in init_process_group and every rank hangs there.
+        raise LaunchError(f"{env.FR_BUFFER_SIZE}={fr_size!r} is not a whole number (torch hangs in "
+                          f"init_process_group with it): unset it or set e.g. {env.FR_BUFFER_SIZE}=2000")
     try:
         if config.job != early:
             marker.withdraw_launch(failed=True)
