@@ -56,6 +56,10 @@ def test_a_config_file_of_the_wrong_shape_is_a_clear_error(tmp_path):
     (["--hang-floor-s", "inf"], "--hang-floor-s must be a finite number"),
     (["--hang-floor-s", "-1"], "--hang-floor-s must be a finite number >= 0"),
     (["--hang-history", "many"], "--hang-history must be an integer"),
+    (["--hang-history", "0"], "--hang-history must be an integer >= 1"),
+    (["--hang-learn-phases", "checkpoint,backward"], "--hang-learn-phases must name phases among"),
+    (["--hang-phase-history", "0"], "--hang-phase-history must be an integer >= 1"),
+    (["--hang-phase-factor", "-2"], "--hang-phase-factor must be a finite number >= 0"),
     (["--emergency-timeout", "0"], "--emergency-timeout-s must be > 0"),
     (["--min-severity-restart", "urgent"], "--min-severity-restart must be one of"),
     (["--nnodes", "abc"], "--nnodes must be N or MIN:MAX"),
@@ -73,6 +77,20 @@ def test_bad_values_are_one_line_launch_errors(argv, needle):
     with pytest.raises(LaunchError) as e:
         parse([*argv, SCRIPT])
     assert needle in str(e.value) and "\n" not in str(e.value).strip(), str(e.value)
+
+
+def test_learnt_hang_threshold_flags():
+    options = {f.option: f for f in launch_flags()}
+    for expected in ("--hang-phase-factor", "--hang-phase-min-samples", "--hang-learn-phases", "--hang-phase-history"):
+        assert options[expected].help, expected
+    _, config = parse(["--hang-floor-s", "2", "--hang-phase-factor", "4", "--hang-learn-phases", "checkpoint,eval",
+                       SCRIPT])
+    hang = config.sidecar.detectors.hang
+    assert (hang.floor_s, hang.phase_factor, hang.learn_phases) == (2.0, 4.0, ("checkpoint", "eval"))
+    _, config = parse(["--hang-learn-phases", "", SCRIPT])
+    assert config.sidecar.detectors.hang.learn_phases == ()
+    defaults = SidecarConfig().detectors.hang
+    assert defaults.phase_min_samples >= 2 and defaults.phase_factor >= 2  # a cold job is not tightened at once
 
 
 def test_bool_flags_need_no_value_in_the_prescan():

@@ -17,15 +17,17 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from trainwatch import checkpoint, historyfile, rankrow, slots, state
 from trainwatch.views import diagnose, jobs, report, summary
-from trainwatch.watchdog import sidecar
+from trainwatch.watchdog import sidecar, thresholds
 from trainwatch.watchdog.config import SidecarConfig
 from trainwatch.watchdog.detectors.base import RankExit
+from trainwatch.watchdog.detectors.hang import LEARNT_PHASES, HangDetector
 
 
 def hostile(max_examples: int):
@@ -443,6 +445,31 @@ def test_an_exits_line_is_a_typed_rank_exit_or_skipped(line):
         assert all(is_int(getattr(e, f)) for f in ("rank", "local_rank", "pid", "exitcode"))
         assert e.signal_name is None or isinstance(e.signal_name, str)
         assert isinstance(e.node, str) and isinstance(e.first, bool)
+
+
+PHASE_ENTRY = shaped({"p99_s": st.sampled_from([1.5, 0.0, -1.0, 1e-300, 1e30]), "samples": 12})
+THRESHOLDS = shaped({"version": 1, "updated": T0, "phases": shaped(
+    {"checkpoint": PHASE_ENTRY, "eval": PHASE_ENTRY, "backward": PHASE_ENTRY, "\udcff": PHASE_ENTRY})})
+
+
+@hostile(60)
+@example(data=b'{"version": 1, "phases": {"checkpoint": {"p99_s": 1e999, "samples": 12}}}')
+@example(data=b'{"version": 1, "phases": {"eval": {"p99_s": 2, "samples": 1' + b"0" * 5000 + b'}}}')
+@given(data=file_bytes(THRESHOLDS))
+def test_a_thresholds_file_is_learnt_lengths_or_a_logged_skip(tmp_path, data):
+    path = tmp_path / "thresholds.json"
+    path.write_bytes(data)
+    learnt = thresholds.read(path)
+    assert isinstance(learnt, dict) and set(learnt) <= set(LEARNT_PHASES)
+    for value, samples in learnt.values():
+        assert isinstance(value, float) and 0 < value <= thresholds.MAX_SECONDS
+        assert is_int(samples) and samples > 0
+    # whatever it holds, a detector seeded with it stays between the floor and the fixed allowance
+    persisted = thresholds.Persisted(path, [HangDetector()])
+    limits = persisted.detector.phases.limits(5.0, 3.0)
+    assert ((limits >= 5.0) | np.isinf(limits)).all()
+    json.dumps(persisted.describe(), allow_nan=False)
+    assert path.read_bytes() == data  # reading never rewrites it
 
 
 # ---- the commands that read a job directory ----------------------------------------------

@@ -32,6 +32,14 @@ def job_processes(launcher_pid: int) -> list[psutil.Process]:
         return []
 
 
+def command(p: psutil.Process) -> str:
+    """The process's command line, or "" once it has exited (a listed process may end before it is read)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def gone(procs: list[psutil.Process]) -> bool:
     for p in procs:
         try:
@@ -113,11 +121,11 @@ def test_ranks_of_a_launch_die_with_it_even_when_the_sidecar_is_killed_first(hom
     with running_plain_job(home, job) as rec:
         launcher = psutil.Process(rec["launcher_pid"])
         sidecars = wait_for(lambda: [p for p in job_processes(launcher.pid)
-                                     if "trainwatch.watchdog.sidecar" in " ".join(p.cmdline())], 60, what="sidecar")
+                                     if "trainwatch.watchdog.sidecar" in command(p)], 60, what="sidecar")
         sidecars[0].send_signal(signal.SIGKILL)
         # The agent starts a new sidecar; the job goes on.
         wait_for(lambda: [p for p in job_processes(launcher.pid) if p.pid != sidecars[0].pid
-                          and "trainwatch.watchdog.sidecar" in " ".join(p.cmdline())], 60, what="a new sidecar")
+                          and "trainwatch.watchdog.sidecar" in command(p)], 60, what="a new sidecar")
         children = job_processes(launcher.pid)
         launcher.send_signal(signal.SIGKILL)
         wait_for(lambda: gone(children), 15, what="every process of the job to stop")

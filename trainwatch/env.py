@@ -59,6 +59,10 @@ and a run only acts on its own."""
 LAUNCHER_PID = "TRAINWATCH_LAUNCHER_PID"
 """The launcher's pid: ranks and the sidecar stop when their parent is no longer it."""
 
+PARENT_PID = "TRAINWATCH_PARENT_PID"
+"""Set in a worker forked by the warm-start zygote: its parent (the zygote, which
+dies with the launcher); ranks stop when their parent is no longer it."""
+
 STORE_BIND = "TRAINWATCH_STORE_BIND"
 """Address rank 0's TCPStore listens on (the launcher sets 127.0.0.1 for a single-node
 job): the worker group's store is not reachable from the machine's other addresses."""

@@ -246,6 +246,7 @@ class JobDir:
         self.sidecar_file = self.own / "sidecar.json"
         self.events_file = self.path / "events.jsonl"
         self.telemetry_file = self.own / "telemetry.json"
+        self.thresholds_file = self.path / "thresholds.json"  # learnt hang thresholds (watchdog.thresholds)
         self.history_dir = self.path / "history"
         self.stacks_dir = self.path / "stacks"
         self.checkpoints_dir = self.path / "checkpoints"

@@ -386,8 +386,8 @@ def init() -> Telemetry:
             faults = armed_faults(os.environ.get(env.INJECT), rank) if restart == 0 else NO_FAULTS
             # Launched by trainwatch: never outlive the launcher (a SIGKILLed
             # launcher would leave ranks training, unwatched, forever).
-            launcher = os.environ.get(env.LAUNCHER_PID, "")
-            procctl.die_with_parent(signal.SIGKILL, int(launcher) if launcher.isdigit() else None)
+            parent = os.environ.get(env.PARENT_PID) or os.environ.get(env.LAUNCHER_PID, "")
+            procctl.die_with_parent(signal.SIGKILL, int(parent) if parent.isdigit() else None)
             # Past a file-size limit (ulimit -f) a write should fail with EFBIG,
             # which the checkpoint code reports, not kill the rank with SIGXFSZ.
             try:

@@ -20,6 +20,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from trainwatch import env, slots, state
+from trainwatch.watchdog import warmstart
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 
 log = logging.getLogger("trainwatch")
@@ -35,7 +36,7 @@ the restart."""
 class TrainwatchAgent(LocalElasticAgent):
     def __init__(self, *args: Any, job: str, segment: slots.Segment, run_id: str = "", sidecar: Any = None,
                  on_event: Callable[[str, dict], None] | None = None, emergency_timeout_s: float = 10.0,
-                 **kwargs: Any):
+                 zygote: warmstart.Zygote | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.job = job
         self.run_id = run_id
@@ -50,6 +51,8 @@ class TrainwatchAgent(LocalElasticAgent):
         self._survivors_saved = -1
         self._usage_failures = 0
         self._first_failed: set[int] = set()
+        self.zygote = zygote
+        """Warm start: workers are forked from it (None: fresh interpreters, as torchrun)."""
 
     # ---- worker lifecycle ---------------------------------------------------------
 
@@ -57,7 +60,12 @@ class TrainwatchAgent(LocalElasticAgent):
         # A restarted worker must not inherit its predecessor's step or phase.
         for i in range(self.segment.nslots):
             self.segment.clear(i)
-        pids = super()._start_workers(worker_group)
+        if self.zygote is not None and not self.zygote.alive():
+            print("[trainwatch] the warm-start process exited; starting a new one", flush=True)
+            self.zygote = warmstart.Zygote(self.zygote.preload, self.zygote.entry)
+            self.zygote.start()
+        with warmstart.using(self.zygote):
+            pids = super()._start_workers(worker_group)
         ranks = [
             {
                 "rank": w.global_rank,
@@ -117,7 +125,8 @@ class TrainwatchAgent(LocalElasticAgent):
         state.write_json_atomic(
             self.dir.restart_timing_file,
             {"restart": self.restart_count, "stop_begin": t0, "stop_end": t1, "backoff_s": backoff,
-             "workers_started": t2, "rendezvous_s": round(t2 - t1 - backoff, 3)},
+             "workers_started": t2, "rendezvous_s": round(t2 - t1 - backoff, 3),
+             "warm": bool(warmstart.timings.get("warm")), "start_s": warmstart.timings.get("start_s")},
         )
         self._on_event("restarted", {"restart": self.restart_count})
 
@@ -205,8 +214,14 @@ class TrainwatchAgent(LocalElasticAgent):
         def running(local_rank: int) -> bool:
             return handlers[local_rank].proc.poll() is None
 
+        # Only survivors that registered state are asked (none: back at once);
+        # one that exits while waited on is waited on no longer.
         result = request_emergency_checkpoint(self.segment, self.emergency_timeout_s, local_ranks=alive,
                                               alive=running)
+        if result["requested"]:
+            from trainwatch.watchdog.checkpointing import describe
+
+            print(f"[trainwatch] survivors: {describe(result)}", flush=True)
         self._on_event("survivors_checkpointed", result)
 
     def _take_restart_request(self) -> dict | None:

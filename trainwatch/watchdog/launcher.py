@@ -23,6 +23,7 @@ import uuid
 from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.inject import spec as inject
 from trainwatch.views.summary import failure_summary
+from trainwatch.watchdog import warmstart
 from trainwatch.watchdog.options import LaunchConfig, LaunchError, parse, prescan_job, prescan_node_scope
 
 log = logging.getLogger("trainwatch")
@@ -291,6 +292,12 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         master_port=master_port,
         local_addr=launch_config.local_addr,
     )
+    zygote = None
+    if not args.no_warm_start and isinstance(cmd, str) and tuple(cmd_args[:3]) == warmstart.BOOTSTRAP \
+            and warmstart.install():
+        # Imports torch (and the entry's installed packages) while the rendezvous runs.
+        zygote = warmstart.Zygote(warmstart.entry_imports(args.training_script, args.module), list(cmd_args[3:]))
+        zygote.start()
     agent = TrainwatchAgent(
         spec=spec,
         logs_specs=launch_config.logs_specs,
@@ -301,6 +308,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         segment=segment,
         sidecar=sidecar,
         emergency_timeout_s=config.sidecar.actions.emergency_timeout_s,
+        zygote=zygote,
     )
 
     status, code = "failed", 1
@@ -340,6 +348,8 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         except Exception:
             pass
         sidecar.stop()
+        if agent.zygote is not None:
+            agent.zygote.close()
         state.remove_scrape_target(config.job, node)
         job_dir.update_job(status=status, end_time=time.time(), exit_code=code, restarts=agent.restart_count)
         segment.close()
@@ -359,7 +369,9 @@ def rendezvous_handler(params, bind: str | None):
     from datetime import timedelta
 
     from torch.distributed.elastic.rendezvous import registry
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -399,7 +411,9 @@ def _endpoint_address(host: str, params) -> str | None:
     """The local address to host the rendezvous store on, or None when this
     node does not host it (torchelastic's own test: is_host, else the name)."""
     try:  # private in torch; without it, leave hosting to torchelastic
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import _matches_machine_hostname
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            _matches_machine_hostname,
+        )
     except ImportError:
         return None
     is_host = params.get_as_bool("is_host")

@@ -83,13 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "several share a machine).")
     tw.add_argument("--rdzv-timeout", type=float, default=None, metavar="S",
                     help="Seconds to wait for every node at a (re-)rendezvous before giving up (default 600).")
+    tw.add_argument("--no-warm-start", action="store_true",
+                    help="Start every worker as a fresh interpreter, as torchrun does (default: fork workers from a "
+                    "per-node process that imported torch once, so a restart does not pay for it again).")
     flags.add_flags(parser.add_argument_group("trainwatch watchdog (thresholds and actions)"), launch_flags(),
                     FLAG_ALIASES)
     return parser
 
 
 # torchrun and trainwatch options that take no value (every other option does).
-_FLAGS = frozenset({"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
+_FLAGS = frozenset({"--standalone", "--no-warm-start", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
                     "-h", "--help"})
 
 

@@ -4,8 +4,9 @@ and where the seconds between the fault and the first new step went.
 
 The step a job resumed from is only stated when it is known: ranks that number
 their own steps (the trainer API) report their first step after the restart;
-zero-code steps are counted from 0 in every new process, so for those the
-summary says the script restarted from its own checkpoint instead of guessing.
+zero-code steps are counted from 0 in every new process (whatever checkpoint
+the script loaded), so for those the summary says the steps lost are unknown
+instead of claiming a number.
 """
 
 from __future__ import annotations
@@ -101,16 +102,7 @@ class RestartTracker:
         }
         recovery_s = _delta(t_fault, first_step_done)
         parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in breakdown.items() if v is not None)
-        if (new["step_source"] == slots.STEP_REPORTED).all():
-            # The script numbers its steps: its first step after the restart
-            # says where it resumed.
-            resumed_at = int(new["first_step"][new["first_step"] > 0].min(initial=int(new["step"].min()))) - 1
-            lost = max(0, self._last_step - resumed_at)
-            where = f"resumed from step {resumed_at} (lost {lost} step{'s' if lost != 1 else ''})"
-        else:
-            resumed_at, lost = None, None
-            where = ("the script restarted from its own checkpoint, if it keeps one "
-                     "(trainwatch counts its steps from 0 in every new process)")
+        resumed_at, lost, where = self._resumed(new)
         return Incident(
             kind="restart",
             culprit_ranks=fault.get("culprit_ranks") or [],
@@ -119,9 +111,38 @@ class RestartTracker:
             + (f" ({parts})" if parts else ""),
             severity="info",
             runbook=None,
+            # evidence: restart = the worker generation now training;
+            # resumed_from_step = the step its checkpoint was of (its first step
+            # less one), steps_lost = last_step_before less that: both null when
+            # unknown, never guessed (see _resumed); last_step_before = the
+            # highest step trainwatch saw before the restart (for counted steps,
+            # a count since the earlier process started); recovery_s = fault to
+            # first new step on every rank (s); breakdown = where those seconds
+            # went; cause = the incident kind restarted for.
             evidence={"restart": restart, "resumed_from_step": resumed_at, "last_step_before": self._last_step,
                       "steps_lost": lost, "recovery_s": recovery_s, "breakdown": breakdown,
                       "cause": fault.get("kind")},
             key=f"restart:{restart}",
             detected_mono=self.clock(),
         )
+
+    def _resumed(self, new) -> tuple[int | None, int | None, str]:
+        """(step resumed from, steps lost, in words) for the new generation's rows.
+
+        Only step numbers the script reports (tw.step(step=N)) say where it
+        resumed: its first step after the restart, less one. Counted steps
+        (the zero-code hooks) start from 0 in every new process, whatever
+        checkpoint the script loaded; and a first step of 1 is what both a run
+        from scratch and tw.step() without step= look like. In those cases
+        where it resumed is unknown, and said to be (never a made-up number)."""
+        if not (new["step_source"] == slots.STEP_REPORTED).all():
+            return None, None, ("resumed; steps lost unknown: the script reports no step numbers (trainwatch counts "
+                                "its optimizer steps from 0 in every new process; the script restarted from its own "
+                                "checkpoint, if it keeps one)")
+        firsts = new["first_step"][new["first_step"] > 0]
+        resumed_at = int(firsts.min(initial=int(new["step"].min()))) - 1
+        if resumed_at <= 0:
+            return None, None, ("resumed; steps lost unknown: the script's steps count from 1 again (a run from "
+                                "scratch, or tw.step() without step=N, which counts from 1 in every new process)")
+        lost = max(0, self._last_step - resumed_at)
+        return resumed_at, lost, f"resumed from step {resumed_at} (lost {lost} step{'s' if lost != 1 else ''})"

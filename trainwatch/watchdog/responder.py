@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from trainwatch import rankrow, slots, state
-from trainwatch.diagnostics.verdict import decide
 from trainwatch.capture import capture_ranks
+from trainwatch.diagnostics.verdict import decide
+from trainwatch.watchdog.checkpointing import describe as describe_checkpoint
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 
 log = logging.getLogger("trainwatch.sidecar")
@@ -177,22 +178,30 @@ class Responder:
                     self._idle.set()
 
     def respond(self, response: Response) -> dict:
+        """Run the incident's actions in order. The incident itself was printed
+        and recorded at detection (Sidecar.emit); each action's result is
+        appended (an `action` record) and said as soon as that action is done,
+        so a slow checkpoint never hides the verdict that came before it."""
         record, ctx = response.record, self.ctx
         kind = record.get("kind")
         results: dict = {}
+
+        def done(part: dict) -> None:
+            results.update(part)
+            ctx.job.append_event({"kind": "action", "incident": record.get("id"), "time": time.time(), **part})
+            print(f"[trainwatch] {kind} {record.get('id')}: {describe(part)}", file=ctx.out, flush=True)
+
         t0 = time.monotonic()
         if self.policy.capture and kind in CAPTURE_KINDS:
-            results.update(self.capture(record))
+            done(self.capture(record))
         if response.restart:
             t1 = time.monotonic()
-            results["checkpoint"] = request_emergency_checkpoint(ctx.segment, self.policy.emergency_timeout_s)
+            done({"checkpoint": request_emergency_checkpoint(ctx.segment, self.policy.emergency_timeout_s)})
             t2 = time.monotonic()
-            results["restart"] = self.request_restart(record, response.generation)
+            restart = self.request_restart(record, response.generation)
             ctx.add_timings(capture_s=round(t1 - t0, 3), checkpoint_s=round(t2 - t1, 3),
                             requested_mono=time.monotonic())
-        if results:
-            ctx.job.append_event({"kind": "action", "incident": record.get("id"), "time": time.time(), **results})
-            print(f"[trainwatch] {kind} {record.get('id')}: {describe(results)}", file=ctx.out, flush=True)
+            done({"restart": restart})
         if ctx.tracer is not None and response.span is not None:
             ctx.tracer.finish(response.span, results)
         return results
@@ -240,11 +249,7 @@ def describe(results: dict) -> str:
                      f"(culprit {who})")
     ck = results.get("checkpoint")
     if ck:
-        if ck.get("skipped"):
-            parts.append(f"no emergency checkpoint ({ck['skipped']})")
-        else:
-            parts.append(f"emergency checkpoint of step {ck.get('step')} by {len(ck.get('written') or {})} of "
-                         f"{len(ck.get('requested') or [])} rank(s) in {ck.get('seconds')}s")
+        parts.append(describe_checkpoint(ck))
     if (results.get("restart") or {}).get("requested"):
         parts.append("restart requested")
     return "; ".join(parts)

@@ -26,7 +26,7 @@ import numpy as np
 
 from trainwatch import procctl, rankrow, slots, state
 from trainwatch.inject.hardware import InjectedHardwareFaults
-from trainwatch.watchdog import otel
+from trainwatch.watchdog import otel, thresholds
 from trainwatch.watchdog.config import SidecarConfig
 from trainwatch.watchdog.detectors import default_detectors
 from trainwatch.watchdog.detectors.base import RankExit, TickView
@@ -83,6 +83,7 @@ class Sidecar:
         self._exits_offset = 0
         self._hardware: list = []
         detectors = detectors if detectors is not None else default_detectors(self.config.detectors)
+        self.thresholds = thresholds.Persisted(self.dir.thresholds_file, detectors, clock)  # learnt, kept across runs
         # Multi-node: this node watches its own ranks; the job-scope detectors
         # run once for the whole job, on the aggregator (trainwatch.watchdog.jobwide).
         self.jobwide: JobWideNode | None = None
@@ -150,7 +151,9 @@ class Sidecar:
         return rankrow.rows_json(self.rows())
 
     def write_snapshot(self) -> None:
-        record = {"node": self.node, "time": time.time(), "ranks": self.snapshot()}
+        record = {"node": self.node, "time": time.time(), "ranks": self.snapshot(),
+                  "hang_thresholds": self.thresholds.describe()}
+        self.thresholds.maybe_save()
         if self.jobwide is not None and not self.jobwide.store_failed:
             try:
                 record["job_ranks"] = self.jobwide.job_rows()
@@ -258,6 +261,7 @@ class Sidecar:
             self.tick()
             self.history.maybe_sample(self.rows, self.straggler_ratios, force=True)
             self.write_snapshot()
+            self.thresholds.maybe_save(force=True)
             launcher_alive = not self.orphaned.is_set() and (
                 not self.launcher_pid or procctl.parent_alive(self.launcher_pid))
             if self.jobwide is not None and not self.jobwide.store_failed and launcher_alive:

@@ -12,6 +12,7 @@ objects: a 4096-rank tick must stay within a few milliseconds.
 
 from __future__ import annotations
 
+import math
 import signal as _signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -273,3 +274,129 @@ def robust_spread(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, n
 
 def op_name(raw: bytes) -> str:
     return bytes(raw).rstrip(b"\0").decode("ascii", "replace")
+
+
+# ---- learnt phase durations ------------------------------------------------------------
+
+SAME_PHASE_TOLERANCE_S = 1.0
+"""A phase start that moves by less than this without a change of phase is the
+same stretch of the phase, not a new one: the multi-node aggregator rebases
+each node's times with a fresh offset on every summary, so a phase start seen
+there jitters by a fraction of a second. Stretches re-entered within this
+interval are merged, which only makes a learnt duration longer (safer)."""
+MAX_SAMPLES = 10**9
+
+
+class PhaseLearner:
+    """How long each phase lasts, learnt from phase changes in the slots.
+
+    A rank's phase and phase start (`phase`, `phase_mono`) change when it
+    enters a new phase; the stretch that ended lasted from its own start to
+    the next one's. The sidecar samples, so a stretch it saw may contain
+    short phases it missed in between: each observation is an upper bound of
+    the phase's length, which can only make a learnt threshold more lenient.
+
+    Per phase in `phases`, each rank keeps its last `depth` durations; the
+    learnt value of a phase is the highest of the ranks' `quantile`s (agreed
+    across every rank the detector sees: a node's, or the whole job's on the
+    multi-node aggregator) and its sample count the most any rank observed.
+    A process that restarted (new pid) starts no duration across the restart,
+    but the durations learnt before it stay: the job is the same.
+
+    `seed()` takes what an earlier sidecar of the job learnt (thresholds.json);
+    it is used until the live observations reach `min_samples` on their own.
+    """
+
+    def __init__(self, phases: Sequence[str], depth: int, *, min_samples: int = 1, quantile: float = 0.99):
+        self.names = tuple(phases)
+        self.min_samples = min_samples
+        self.quantile = quantile
+        self._slot = np.full(len(slots.PHASES), -1, dtype=np.int64)
+        for i, name in enumerate(self.names):
+            self._slot[slots.PHASE_CODES[name]] = i
+        self._rings = [RankRing(depth) for _ in self.names]
+        self._q = [np.zeros(0) for _ in self.names]
+        self._fresh = [np.zeros(0, dtype=bool) for _ in self.names]
+        self._phase = np.zeros(0, dtype=np.int64)
+        self._since = np.zeros(0)
+        self._pid = np.zeros(0, dtype=np.int64)
+        self.prior: dict[str, tuple[float, int]] = {}
+        """{phase: (seconds, samples)} learnt by an earlier sidecar of the job."""
+
+    def seed(self, learnt: dict[str, tuple[float, int]]) -> None:
+        """Start from what an earlier sidecar learnt (phases not learnt here are ignored)."""
+        self.prior = {name: value for name, value in learnt.items() if name in self.names}
+
+    def update(self, table: np.ndarray) -> None:
+        """Record the durations of the phase stretches that ended since the last tick."""
+        ranks = table["rank"]
+        if len(ranks) == 0:
+            return
+        size = int(ranks.max()) + 1
+        self._phase = grow(self._phase, size, -1)
+        self._since = grow(self._since, size, 0.0)
+        self._pid = grow(self._pid, size, 0)
+        phase = table["phase"].astype(np.int64)
+        since = table["phase_mono"]
+        pid = table["pid"]
+        prev = self._since[ranks]
+        moved = since - prev
+        changed = (phase != self._phase[ranks]) | (moved > SAME_PHASE_TOLERANCE_S)
+        ended = changed & (self._pid[ranks] == pid) & (prev > 0) & (moved > 0) & np.isfinite(moved)
+        if ended.any():
+            code = self._phase[ranks][ended]
+            known = (code >= 0) & (code < len(self._slot))
+            slot = np.where(known, self._slot[np.clip(code, 0, len(self._slot) - 1)], -1)
+            r, d = ranks[ended], moved[ended]
+            for i in np.unique(slot[slot >= 0]):
+                sel = slot == i
+                self._rings[i].push(r[sel], d[sel])
+                self._fresh[i] = grow(self._fresh[i], size, False)
+                self._fresh[i][r[sel]] = False
+        # A stretch is restarted only when it ended (or the process changed), so
+        # a start that jitters within the tolerance keeps its first value.
+        reset = changed | (self._pid[ranks] != pid)
+        rows = ranks[reset]
+        self._phase[rows] = phase[reset]
+        self._since[rows] = since[reset]
+        self._pid[ranks] = pid
+
+    def live(self, i: int) -> tuple[float, int]:
+        """(highest per-rank quantile, most samples of one rank) of phase `names[i]` as observed here."""
+        ring = self._rings[i]
+        if len(ring.count) == 0 or ring.count.max() == 0:
+            return math.nan, 0
+        n = len(ring.count)
+        self._q[i] = grow(self._q[i], n, math.nan)
+        self._fresh[i] = grow(self._fresh[i], n, False)
+        need = np.nonzero(~self._fresh[i][:n] & (ring.count > 0))[0]
+        if len(need):
+            values, counts = ring.window(need)
+            self._q[i][need] = row_quantile(values, counts, self.quantile)
+            self._fresh[i][need] = True
+        seen = ring.count > 0
+        return float(np.nanmax(self._q[i][:n][seen])), int(ring.count.max())
+
+    def learnt(self) -> dict[str, tuple[float, int]]:
+        """{phase: (seconds, samples)} for every phase observed here or before.
+        Live observations replace the earlier sidecar's once they reach
+        `min_samples` themselves; until then both count, and the longer wins."""
+        out = {}
+        for i, name in enumerate(self.names):
+            value, n = self.live(i)
+            prior = self.prior.get(name)
+            if prior is not None and n < self.min_samples:
+                value = prior[0] if n == 0 else max(prior[0], value)
+                n = min(n + prior[1], MAX_SAMPLES)
+            if n > 0:
+                out[name] = (value, n)
+        return out
+
+    def limits(self, floor_s: float, factor: float) -> np.ndarray:
+        """Per phase code: max(floor_s, factor x the learnt duration) where learnt
+        from at least `min_samples` observations, else +inf (no learnt limit)."""
+        out = np.full(len(slots.PHASES), np.inf)
+        for name, (value, n) in self.learnt().items():
+            if n >= self.min_samples and math.isfinite(value):
+                out[slots.PHASE_CODES[name]] = max(floor_s, factor * value)
+        return out

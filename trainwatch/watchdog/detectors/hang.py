@@ -15,6 +15,17 @@ in a slow phase keeps its allowance; everyone else is held to the normal
 threshold. Ranks waiting in a collective are never a hang by themselves while
 some rank is still legitimately working: they are waiting for it.
 
+Thresholds are also learnt per phase (checkpoint and eval by default; data,
+forward, optimizer and compute on request). How long each phase lasts is
+observed as ranks move between phases; once a phase was seen ending `phase_min_samples` times, a rank in it
+that is not visibly working is hung after max(floor_s, phase_factor x the p99
+of those lengths), counted from the later of the phase's start and the rank's
+last progress, whenever that is tighter than the fixed threshold. A job whose
+checkpoints take 1 s has a stuck checkpoint named after the floor, not after
+60 s. Learning only tightens, never below the floor; a cold job keeps the
+fixed allowances, and a rank that works through a longer phase (CPU or I/O
+moving) keeps them too: that longer phase, once it ends, is learnt.
+
 Naming the culprit matters more than noticing the hang: in a synchronous job
 every rank stops at once. Ranks parked in a wait phase (backward, collective)
 are victims; the culprit is the rank that is somewhere else (data loading,
@@ -37,6 +48,7 @@ from trainwatch.watchdog.detectors.base import (
     WAIT_CODES,
     ActivityTracker,
     Detector,
+    PhaseLearner,
     RankRing,
     StepTracker,
     TickView,
@@ -58,6 +70,9 @@ _CATEGORY_WORDS = {
 }
 _QUIET_FRACTION = QUIET_FRACTION
 _MAX_LISTED = 32
+LEARNT_PHASES = ("data", "forward", "optimizer", "compute", "checkpoint", "eval")
+"""Phases whose length can be learnt: not init (warm-up has its own allowance) and
+not the phases that wait on peers (how long a wait lasts is another rank's doing)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +98,32 @@ class HangConfig:
     """I/O rate at or above which a rank counts as working, e.g. writing a checkpoint (bytes/s)."""
     heartbeat_stale_s: float = HEARTBEAT_STALE_S
     """Heartbeat age meaning the rank holds the GIL or is stopped; the sampler beats every 0.2 s (s)."""
+    learn_phases: tuple[str, ...] = ("checkpoint", "eval")
+    """Phases whose hang threshold is learnt from how long they last, kept in the job's thresholds.json
+    (phase names among data, forward, optimizer, compute, checkpoint, eval; empty: none). The step
+    phases are opt-in: an epoch's first batch (DataLoader workers starting) is far longer than the
+    others and looks idle, which a learnt data threshold would take for a hang."""
+    phase_factor: float = 3.0
+    """A rank not visibly working is hung after phase_factor x the learnt p99 length of its phase, when
+    longer than floor_s and shorter than its fixed threshold (factor)."""
+    phase_min_samples: int = 10
+    """Times a phase must be seen ending before its learnt threshold replaces the fixed one (count)."""
+    phase_history: int = 64
+    """Recent lengths kept per rank and phase for that p99 (count)."""
+
+    def __post_init__(self) -> None:
+        phases = self.learn_phases
+        bad = [p for p in phases if not isinstance(p, str) or p not in LEARNT_PHASES] \
+            if isinstance(phases, (tuple, list)) else [phases]
+        if bad:
+            raise ValueError(f"--hang-learn-phases must name phases among {', '.join(LEARNT_PHASES)}; "
+                             f"got {', '.join(map(repr, bad))}")
+        for name, low in (("history", 1), ("phase_history", 1), ("phase_min_samples", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"--hang-{name.replace('_', '-')} must be an integer >= {low}; got {value!r}")
+        if not isinstance(self.phase_factor, (int, float)) or not self.phase_factor >= 0:
+            raise ValueError(f"--hang-phase-factor must be a number >= 0; got {self.phase_factor!r}")
 
 
 class HangDetector(Detector):
@@ -95,6 +136,8 @@ class HangDetector(Detector):
         self._steps = StepTracker()
         self._step_s = RankRing(self.config.history)
         self.activity = ActivityTracker()
+        self.phases = PhaseLearner(self.config.learn_phases, self.config.phase_history,
+                                   min_samples=self.config.phase_min_samples)
         # p99 per rank, recomputed lazily: only for ranks that look stale and
         # whose history changed, so a healthy 4096-rank tick never sorts.
         self._p99 = np.zeros(0)
@@ -123,6 +166,7 @@ class HangDetector(Detector):
             self._step_s.push(ranks[push], step_s[push])
             self._p99_fresh[ranks[push]] = False
         cpu_rate, io_rate = self.activity.update(t)
+        self.phases.update(t)
 
         now = view.now
         age = now - np.fmax(t["progress_mono"], t["active_mono"])
@@ -155,6 +199,15 @@ class HangDetector(Detector):
         if not peers_waiting:
             busy = started & ~in_wait & ~in_slow & active
             limit[busy] = np.fmax(base[busy], cfg.busy_s)
+        # A learnt phase length holds a rank that is not visibly working to
+        # max(floor, factor x p99 length) from its phase start or last progress,
+        # whichever is later; only where that is tighter.
+        allow = self.phases.limits(cfg.floor_s, cfg.phase_factor)[np.clip(phase, 0, len(slots.PHASES) - 1)]
+        learnt = started & ~active & ~in_wait & ~done & np.isfinite(allow)
+        if learnt.any():
+            offset = np.fmax(t["phase_mono"] - np.fmax(t["progress_mono"], t["active_mono"]), 0.0)
+            learnt &= offset + allow < limit
+            limit[learnt] = offset[learnt] + allow[learnt]
         elsewhere = ~in_wait & ~done
         stale = elsewhere & (age > limit)
         # Someone outside a collective still within its allowance: the ranks
@@ -171,7 +224,7 @@ class HangDetector(Detector):
         self._in_episode = True
         facts = Facts(step=t["step"], age=age, base=base, in_wait=in_wait, lenient=slow_ok, started=started,
                       hb_stale=hb_stale, involved=involved, groups=GroupEntries.of(t))
-        ctx = _Context(view, age, limit, involved, hb_age, hb_stale, blame(facts))
+        ctx = _Context(view, age, limit, involved, hb_age, hb_stale, blame(facts), learnt)
         return [self._incident(ctx)]
 
     def _p99_of(self, ranks: np.ndarray) -> np.ndarray:
@@ -281,6 +334,7 @@ class HangDetector(Detector):
                     "in_phase_s": round(float(now - t["phase_mono"][r]), 3),
                     "heartbeat_age_s": None if np.isnan(c.hb_age[r]) else round(float(c.hb_age[r]), 3),
                     "threshold_s": round(float(c.limit[r]), 3),
+                    "threshold_learnt": bool(c.learnt[r]),
                     "stopped": bool(r in stopped_rows),
                 }
                 for r in c_rows[:_MAX_LISTED]
@@ -319,6 +373,8 @@ class _Context:
     hb_age: np.ndarray
     hb_stale: np.ndarray
     blame: Any
+    learnt: np.ndarray
+    """Rows held to a learnt phase threshold."""
 
 
 def _same_op(t: np.ndarray, rows: np.ndarray) -> str:
