@@ -83,3 +83,56 @@ def wait_for(predicate, timeout: float, interval: float = 0.1):
             return value
         time.sleep(interval)
     return None
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of session `sid`: a launcher started with
+    start_new_session=True and everything it started that kept its session."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            pids.append(int(d))
+    return pids
+
+
+def reap(proc: subprocess.Popen, home: Path | None = None, job: str | None = None, timeout: float = 30) -> list[str]:
+    """After a launcher's run: nothing of it is left. Its session's processes get
+    SIGTERM, then SIGKILL after `timeout` (bounded waits); the run's slot segment
+    is removed if the launcher did not. Returns what was left behind (logged)."""
+    left = []
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    if not wait_for(lambda: not session_pids(proc.pid), timeout, 0.2):
+        pids = session_pids(proc.pid)
+        left.append(f"processes {pids} of session {proc.pid}")
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_for(lambda: not session_pids(proc.pid), 10, 0.2)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+    if home is not None and job is not None:
+        seg = job_json(home, job).get("slots")
+        if seg and os.path.lexists(seg):
+            left.append(f"segment {seg}")
+            os.unlink(seg)
+    for what in left:
+        log(f"  LEFTOVER {what}: removed")
+    return left

@@ -1,31 +1,76 @@
-"""Recovery benchmark: a hang in the default job, recovered by trainwatch.
+"""Recovery benchmark: a hung rank, recovered by trainwatch (optionally next to NVIDIA's ft_launcher).
 
     python benchmarks/recovery.py [--ranks 4] [--where dataloader] [--step 100]
+    python benchmarks/recovery.py --script [PATH] [--ranks 2] [--step 150]
+    python benchmarks/recovery.py --script [PATH] --compare [--compare-venv DIR] [--repeat N]
 
-Runs the integrated trainer's default job twice on 4 ranks: once
-uninterrupted, once with a hang injected into rank 2. trainwatch must detect
-it, checkpoint every rank that can still write, restart the worker group
-through torchelastic and finish with the same final weights, bit for bit.
-recovery_s runs from the moment the fault began (recorded by the faulting
-rank) to the first step completed after the restart.
+Default mode: runs the integrated trainer's default job twice: once
+uninterrupted, once with a hang injected (`--inject hang:where=...`) into one
+rank (--rank, default min(2, ranks-1)). trainwatch must detect it, checkpoint
+every rank that can still write, restart the worker group through torchelastic
+and finish with the same final weights, bit for bit. recovery_s runs from the
+moment the fault began (recorded by the faulting rank) to the first step
+completed after the restart.
 
-Progress goes to stderr; the LAST stdout line is one JSON object.
+--script [PATH]: the same for an unmodified DDP/gloo script (no trainwatch
+import; default benchmarks/scripts/ddp_resumable.py, whose flags a PATH must
+accept): it saves its own checkpoint every --ckpt-every steps and resumes from
+it; one rank sleeps forever before --step (default 150) on the first attempt
+only. Fault time, every completed step and every start come from the script's
+own per-rank log; detection and the culprit from trainwatch's hang incident;
+the breakdown from its restart incident (events.jsonl, restart-timing.json).
+recovery_s: fault -> every rank of the restarted group has completed a step.
+steps_lost: last step completed before the fault - step resumed from.
+bitwise_equal: final weights against an uninterrupted run of the script.
+
+--compare: also runs NVIDIA Resiliency Extension's ft_launcher on the same
+script and hang from a scratch venv (--compare-venv, or $TRAINWATCH_NVRX_VENV,
+default /tmp/scratch/venv-nvrx; never a project dependency), interleaved:
+trainwatch, nvrx-tuned, nvrx-learnt, trainwatch, ... The script then sends a
+heartbeat after every step (--nvrx). nvrx-tuned: --ft-rank-heartbeat-timeout 5
+--ft-workload-check-interval 1. nvrx-learnt: check interval 1, heartbeat
+timeouts learnt with calculate_and_set_hb_timeouts() after 2/3 of the steps
+before the hang, kept in the script's checkpoint. NVRx's first sign of the hang
+is the rank monitor's "Did not get ... heartbeat" log line (it SIGKILLs the
+rank right after); its culprit is named when only the hung rank's monitor
+timed out. One JSON line per tool per run.
+
+Every run has its own TRAINWATCH_HOME (or scratch dir, TMPDIR for ft_launcher's
+sockets) and job name; nothing of a run (process, slot segment) outlives it.
+Progress goes to stderr; the LAST stdout line is one JSON object (trainwatch's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import uuid
+from datetime import datetime
+from pathlib import Path
 
 import torch
-
-from common import events, faults_fired, job_json, launch, log, new_home
+from common import events, faults_fired, finish, job_json, launch, log, new_home, read_jsonl, reap
 
 TORCHRUN_ALONE = (
     "plain torchrun waits in the hung all_reduce until gloo's 30 min timeout (NCCL: 10 min), then fails; "
     "with --max-restarts it restarts from the last checkpoint the script itself saved (here every 50 steps), "
     "and on torch 2.13 a gloo worker group restarted by torchrun fails in connectFullMesh (stale rendezvous store)"
 )
+DEFAULT_SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_resumable.py"
+NVRX_VENV = os.environ.get("TRAINWATCH_NVRX_VENV", "/tmp/scratch/venv-nvrx")
+RUN_TIMEOUT = 900
+
+
+def uid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+# ---- default mode: the integrated trainer ------------------------------------------
 
 
 def final_weights(home, job):
@@ -37,37 +82,31 @@ def final_weights(home, job):
 
 def run(home, job, ranks, *extra):
     proc = launch(home, "--nproc-per-node", str(ranks), "--job", job, *extra)
-    out, _ = proc.communicate(timeout=1200)
+    out = finish(proc, RUN_TIMEOUT)
+    reap(proc, home, job)
     return proc.returncode, out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--where", default="dataloader", help="hang kind (compute, gc, dataloader, checkpoint, collective_skip)")
-    p.add_argument("--step", type=int, default=100)
-    p.add_argument("--rank", type=int, default=2)
-    args = p.parse_args()
-
+def integrated(args) -> None:
     log(f"uninterrupted default job on {args.ranks} ranks ...")
-    ref_home = new_home("recovery-ref")
-    code, out = run(ref_home, "ref", args.ranks)
+    ref_home, ref_job = new_home("recovery-ref"), uid("ref")
+    code, out = run(ref_home, ref_job, args.ranks)
     if code != 0:
         raise SystemExit(f"reference run failed:\n{out[-3000:]}")
-    ref_step, ref = final_weights(ref_home, "ref")
+    ref_step, ref = final_weights(ref_home, ref_job)
     log(f"  done at step {ref_step}")
 
     spec = f"hang:where={args.where},rank={args.rank},step={args.step}"
     log(f"default job with --inject {spec} ...")
-    home = new_home("recovery")
-    code, out = run(home, "hung", args.ranks, "--inject", spec)
-    restarts = [e for e in events(home, "hung") if e["kind"] == "restart"]
-    step, weights = final_weights(home, "hung")
+    home, job = new_home("recovery"), uid("hung")
+    code, out = run(home, job, args.ranks, "--inject", spec)
+    restarts = [e for e in events(home, job) if e["kind"] == "restart"]
+    step, weights = final_weights(home, job)
     recovered = code == 0 and bool(restarts) and step == ref_step
     bitwise = bool(recovered and weights is not None and weights.keys() == ref.keys()
                    and all(torch.equal(weights[k], ref[k]) for k in ref))
     ev = restarts[0]["evidence"] if restarts else {}
-    fired = faults_fired(home, "hung")
+    fired = faults_fired(home, job)
     first_new_step = None
     if restarts and fired:
         # The restart incident is emitted at the first step after the restart.
@@ -75,13 +114,13 @@ def main() -> None:
     recovery_s = round(first_new_step - fired[0]["mono"], 3) if first_new_step and fired else ev.get("recovery_s")
     breakdown = ev.get("breakdown", {})
     if fired and breakdown.get("detect_s") is not None:
-        hang = next((e for e in events(home, "hung") if e["kind"] in ("hang", "collective_mismatch")), None)
+        hang = next((e for e in events(home, job) if e["kind"] in ("hang", "collective_mismatch")), None)
         if hang:
             breakdown["detect_s"] = round(hang["detected_mono"] - fired[0]["mono"], 3)
     for k, v in breakdown.items():
         log(f"  {k:<14} {v}")
     log(f"  recovered={recovered} bitwise_equal={bitwise} steps_lost={ev.get('steps_lost')} "
-        f"recovery_s={recovery_s} restarts={job_json(home, 'hung').get('restarts')}")
+        f"recovery_s={recovery_s} restarts={job_json(home, job).get('restarts')}")
     print(json.dumps({
         "recovered": recovered,
         "bitwise_equal": bitwise,
@@ -92,6 +131,312 @@ def main() -> None:
         "ranks": args.ranks,
         "torchrun_alone": TORCHRUN_ALONE,
     }))
+
+
+# ---- script mode: an unmodified DDP script ---------------------------------------
+
+
+def script_args(args, work: Path, hang: bool, nvrx: str | None = None) -> list[str]:
+    sa = ["--steps", str(args.steps), "--ckpt-dir", str(work / "ckpt"), "--ckpt-every", str(args.ckpt_every),
+          "--log-dir", str(work / "logs"), "--out", str(work / "final.pt")]
+    if hang:
+        sa += ["--hang-at", str(args.step), "--hang-rank", str(args.rank), "--hang-marker", str(work / "hang-once")]
+    if nvrx:
+        sa.append("--nvrx")
+    if nvrx == "learnt":
+        sa += ["--nvrx-learn-at", str(learn_at(args))]
+    return sa
+
+
+def learn_at(args) -> int:
+    return max(1, min(args.step - 1, args.step * 2 // 3))
+
+
+def script_log(work: Path, ranks: int, clock: str) -> dict:
+    """What the script's own per-rank logs say about a run, times on `clock`
+    ('mono' or 'wall'): the fault, the first step of the restarted group, steps lost."""
+    recs = [r for i in range(ranks) for r in read_jsonl(work / "logs" / f"rank{i}.jsonl")]
+    starts = [r for r in recs if r["ev"] == "start"]
+    hang = next((r for r in recs if r["ev"] == "hang"), None)
+    finished = sum(1 for r in recs if r["ev"] == "end") == ranks
+    res = {"hang": hang, "finished": finished, "starts_per_rank": max((sum(1 for s in starts if s["rank"] == i)
+                                                                       for i in range(ranks)), default=0)}
+    if hang is None:
+        return res
+    t0 = hang[clock]
+    after = [s for s in starts if s[clock] > t0]
+    first_gen = min((s["restart"] for s in after), default=None)
+    new_pids = {s["pid"] for s in after if s["restart"] == first_gen}  # the first group started after the fault
+    later_pids = {s["pid"] for s in after} - new_pids
+    old_steps = [r["step"] for r in recs if r["ev"] == "step" and r["pid"] not in new_pids | later_pids]
+    resumed = [s["resumed_from"] for s in starts if s["pid"] in new_pids]
+    firsts = []
+    for i in range(ranks):
+        mine = [r[clock] for r in recs if r["ev"] == "step" and r["rank"] == i and r["pid"] in new_pids]
+        firsts.append(min(mine) if mine else None)
+    res["fault"] = t0
+    res["last_step_before"] = max(old_steps, default=None)
+    res["resumed_from"] = min(resumed) if resumed else None
+    res["steps_lost"] = (res["last_step_before"] - res["resumed_from"]
+                         if res["last_step_before"] is not None and res["resumed_from"] is not None else None)
+    res["new_started"] = max((s[clock] for s in starts if s["pid"] in new_pids), default=None)
+    res["first_new_step"] = max(firsts) if firsts and None not in firsts else None
+    learnt = [r for r in recs
+              if r["ev"] in ("start", "nvrx_learnt") and (r.get("nvrx_timeouts") or {}).get("calculated")]
+    if learnt:
+        res["nvrx_timeouts"] = learnt[-1]["nvrx_timeouts"]
+    return res
+
+
+def bitwise(work: Path, ref) -> tuple[bool | None, str | None]:
+    path = work / "final.pt"
+    if ref is None:
+        return None, "no reference weights (the uninterrupted run wrote no --out file)"
+    if not path.exists():
+        return None, "the script wrote no final weights (--out)"
+    w = torch.load(path, weights_only=True)
+    return bool(w.keys() == ref.keys() and all(torch.equal(w[k], ref[k]) for k in ref)), None
+
+
+def _d(a, b):
+    return None if a is None or b is None else round(b - a, 3)
+
+
+def tw_script_run(args, label: str, hang: bool, ref=None) -> dict:
+    home, job = new_home(f"recovery-{label}"), uid(label)
+    work = home / "work"
+    work.mkdir()
+    proc = launch(home, "--nproc-per-node", str(args.ranks), "--job", job, str(args.script),
+                  *script_args(args, work, hang))
+    out = finish(proc, args.timeout)
+    (work / "launcher.log").write_text(out)
+    reap(proc, home, job)
+    res = {"home": str(home), "job": job, "code": proc.returncode}
+    if not hang:
+        if proc.returncode != 0:
+            raise SystemExit(f"reference run failed (log {work / 'launcher.log'}):\n{out[-3000:]}")
+        return res
+    sl = script_log(work, args.ranks, "mono")
+    incidents = events(home, job)
+    hang_inc = next((e for e in incidents if e["kind"] in ("hang", "collective_mismatch")), None)
+    restart = next((e for e in incidents if e["kind"] == "restart"), None)
+    ev = restart["evidence"] if restart else {}
+    breakdown = dict(ev.get("breakdown") or {})
+    if hang_inc and sl.get("fault") is not None and "detect_s" in breakdown:
+        breakdown["detect_s"] = _d(sl["fault"], hang_inc["detected_mono"])
+    recovery_s = _d(sl.get("fault"), sl.get("first_new_step"))
+    parts = [v for v in breakdown.values() if isinstance(v, (int, float))]
+    eq, why = bitwise(work, ref)
+    culprits = hang_inc.get("culprit_ranks") if hang_inc else None
+    timing_file = home / "jobs" / job / "control" / "restart-timing.json"
+    timing = json.loads(timing_file.read_text()) if timing_file.exists() else None
+    res.update({
+        "recovered": proc.returncode == 0 and sl["finished"] and sl.get("first_new_step") is not None,
+        "restarts": job_json(home, job).get("restarts"),
+        "first_sign_s": _d(sl.get("fault"), hang_inc["detected_mono"]) if hang_inc else None,
+        "first_new_step_s": recovery_s,
+        "recovery_s": recovery_s,
+        "trainwatch_recovery_s": ev.get("recovery_s"),
+        "breakdown": breakdown,
+        "unaccounted_s": round(recovery_s - sum(parts), 3) if recovery_s is not None and parts else None,
+        "culprit_ranks": culprits,
+        "names_culprit": culprits == [args.rank],
+        "steps_lost": sl.get("steps_lost"),
+        "last_step_before": sl.get("last_step_before"),
+        "resumed_from": sl.get("resumed_from"),
+        "bitwise_equal": eq,
+        "restart_timing": timing,
+        # load_s split by the script's own start record (process group up, checkpoint loaded, DDP built)
+        "load_split": {"workers_started_to_script_ready_s": _d((timing or {}).get("workers_started"),
+                                                               sl.get("new_started")),
+                       "script_ready_to_first_step_s": _d(sl.get("new_started"), sl.get("first_new_step"))},
+    })
+    if why:
+        res["bitwise_reason"] = why
+    return res
+
+
+_STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]"
+_TIMEOUT = re.compile(_STAMP + r" \[WARNING\] \[RankMonServer\d+@[^\]]*:(\d+)\] "
+                      r"(Did not get (?:initial|subsequent) heartbeat|Section '|Was out of section)")
+_JOINED = re.compile(_STAMP + r" .*has joined round (\d+) of the rendezvous")
+_UNHEALTHY = re.compile(_STAMP + r" .*Worker group (?:UNHEALTHY|FAILED)")
+
+
+def _wall(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def nvrx_available(venv: Path) -> str | None:
+    """None when ft_launcher and nvidia_resiliency_ext are usable from `venv`, else why not."""
+    py, ftl = venv / "bin" / "python", venv / "bin" / "ft_launcher"
+    if not py.exists() or not ftl.exists():
+        return f"{venv} has no bin/python or bin/ft_launcher"
+    r = subprocess.run([str(py), "-c", "import nvidia_resiliency_ext.fault_tolerance, torch"],
+                       capture_output=True, text=True, timeout=300)
+    return None if r.returncode == 0 else f"nvidia_resiliency_ext does not import there: {r.stderr.strip()[-300:]}"
+
+
+def nvrx_run(args, variant: str, ref) -> dict:
+    work = Path(tempfile.mkdtemp(prefix=f"trainwatch-bench-nvrx-{variant}-"))
+    tmp = work / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TRAINWATCH_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(tmp))
+    ft = ["--ft-workload-check-interval", "1"]
+    if variant == "tuned":
+        ft += ["--ft-rank-heartbeat-timeout", "5"]
+    cmd = [str(args.compare_venv / "bin" / "ft_launcher"), "--standalone", "--nproc-per-node", str(args.ranks),
+           "--max-restarts", "3", *ft, str(args.script), *script_args(args, work, True, nvrx=variant)]
+    proc = subprocess.Popen(cmd, env=env, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    out = finish(proc, args.timeout)
+    (work / "launcher.log").write_text(out)
+    reap(proc)
+    sl = script_log(work, args.ranks, "wall")
+    fault, new_started = sl.get("fault"), sl.get("new_started")
+    timeouts = [(_wall(m[1]), int(m[2])) for m in _TIMEOUT.finditer(out)]
+    if fault is not None:
+        # The timeouts that caused the restart: after the fault, before the new group started.
+        timeouts = [(t, r) for t, r in timeouts if t >= fault - 0.002 and (new_started is None or t < new_started)]
+    first_sign = min((t for t, _ in timeouts), default=None)
+    culprits = sorted({r for _, r in timeouts})
+    unhealthy = next((_wall(m[1]) for m in _UNHEALTHY.finditer(out)
+                      if fault is None or _wall(m[1]) >= fault - 0.002), None)
+    joined = next((_wall(m[1]) for m in _JOINED.finditer(out) if int(m[2]) >= 1), None)
+    eq, why = bitwise(work, ref)
+    rec = {
+        "recovered": proc.returncode == 0 and sl["finished"] and sl.get("first_new_step") is not None,
+        "restarts": max(0, sl["starts_per_rank"] - 1),
+        "first_sign_s": _d(fault, first_sign),
+        "first_sign_from": "rank monitor's heartbeat timeout log line (it SIGKILLs that rank right after)",
+        "first_new_step_s": _d(fault, sl.get("first_new_step")),
+        "breakdown": {"detect_s": _d(fault, first_sign), "kill_to_unhealthy_s": _d(first_sign, unhealthy),
+                      "teardown_rendezvous_s": _d(unhealthy, joined), "start_s": _d(joined, new_started),
+                      "first_step_s": _d(new_started, sl.get("first_new_step"))},
+        "culprit_ranks": culprits,
+        "names_culprit": culprits == [args.rank],
+        "first_timed_out_rank": min(timeouts)[1] if timeouts else None,
+        "steps_lost": sl.get("steps_lost"),
+        "bitwise_equal": eq,
+        "code": proc.returncode,
+        "dir": str(work),
+    }
+    if variant == "learnt":
+        rec["learnt_timeouts"] = sl.get("nvrx_timeouts")
+    if why:
+        rec["bitwise_reason"] = why
+    if not rec["recovered"]:
+        log(f"  nvrx-{variant} did not recover (exit {proc.returncode}); log {work / 'launcher.log'}")
+    shutil.rmtree(tmp, ignore_errors=True)  # ft_launcher's IPC sockets, torchelastic's log dir
+    return rec
+
+
+def line(tool: str, i: int, args, r: dict) -> dict:
+    keys = ("recovered", "restarts", "first_sign_s", "first_sign_from", "first_new_step_s", "names_culprit",
+            "culprit_ranks", "first_timed_out_rank", "steps_lost", "bitwise_equal", "bitwise_reason", "breakdown",
+            "learnt_timeouts")
+    return {"tool": tool, "run": i, "ranks": args.ranks, "hang_rank": args.rank, "hang_step": args.step,
+            **{k: r[k] for k in keys if k in r}}
+
+
+def script_mode(args) -> None:
+    args.script = Path(args.script).resolve()
+    fault = (f"rank {args.rank} of {args.ranks} sleeps forever before step {args.step} (first attempt only); "
+             f"script {args.script.name} checkpoints every {args.ckpt_every} steps")
+    compare = []
+    if args.compare:
+        why = nvrx_available(args.compare_venv)
+        if why:
+            log(f"--compare: skipping nvidia-resiliency-ext: {why}")
+        else:
+            compare = ["tuned", "learnt"]
+
+    log(f"uninterrupted {args.script.name} on {args.ranks} ranks under trainwatch ...")
+    ref_run = tw_script_run(args, "script-ref", hang=False)
+    ref_path = Path(ref_run["home"]) / "work" / "final.pt"
+    ref = torch.load(ref_path, weights_only=True) if ref_path.exists() else None
+
+    tw_runs = []
+    for i in range(args.repeat):
+        log(f"[{i + 1}/{args.repeat}] trainwatch: {fault} ...")
+        r = tw_script_run(args, "script-hung", hang=True, ref=ref)
+        log(f"  recovered={r['recovered']} first_sign_s={r['first_sign_s']} recovery_s={r['recovery_s']} "
+            f"culprit={r['culprit_ranks']} steps_lost={r['steps_lost']} bitwise_equal={r['bitwise_equal']} "
+            f"(home {r['home']})")
+        tw_runs.append(r)
+        if compare:
+            print(json.dumps(line("trainwatch", i, args, r)), flush=True)
+        for variant in compare:
+            log(f"[{i + 1}/{args.repeat}] nvrx-{variant}: ft_launcher, same script and hang ...")
+            n = nvrx_run(args, variant, ref)
+            log(f"  recovered={n['recovered']} first_sign_s={n['first_sign_s']} "
+                f"first_new_step_s={n['first_new_step_s']} culprit={n['culprit_ranks']} "
+                f"steps_lost={n['steps_lost']} bitwise_equal={n['bitwise_equal']}"
+                + (f" learnt={n['learnt_timeouts']}" if n.get("learnt_timeouts") else ""))
+            print(json.dumps(line(f"nvrx-{variant}", i, args, n)), flush=True)
+
+    done = [r for r in tw_runs if r["recovery_s"] is not None]
+    best = sorted(done, key=lambda r: r["recovery_s"])[len(done) // 2] if done else tw_runs[-1]
+    for k, v in best["breakdown"].items():
+        log(f"  {k:<14} {v}")
+    summary = {
+        "tool": "trainwatch",
+        "mode": "script",
+        "recovered": best["recovered"],
+        "bitwise_equal": best["bitwise_equal"],
+        "steps_lost": best["steps_lost"],
+        "recovery_s": best["recovery_s"],
+        "breakdown": best["breakdown"],
+        "unaccounted_s": best["unaccounted_s"],
+        "load_split": best["load_split"],
+        "first_sign_s": best["first_sign_s"],
+        "names_culprit": best["names_culprit"],
+        "restarts": best["restarts"],
+        "restart_timing": best["restart_timing"],
+        "fault": fault,
+        "script": str(args.script),
+        "ranks": args.ranks,
+    }
+    if "bitwise_reason" in best:
+        summary["bitwise_reason"] = best["bitwise_reason"]
+    if args.repeat > 1:
+        summary["recovery_s_runs"] = [r["recovery_s"] for r in tw_runs]
+    print(json.dumps(summary))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--where", default="dataloader",
+                   help="default mode: hang kind (compute, gc, dataloader, checkpoint, collective_skip)")
+    p.add_argument("--step", type=int, help="the step the fault hits (default 100; --script: 150)")
+    p.add_argument("--rank", type=int, help="the faulting rank (default min(2, ranks-1))")
+    p.add_argument("--script", nargs="?", const=str(DEFAULT_SCRIPT), metavar="PATH",
+                   help=f"an unmodified DDP script instead of the integrated trainer (default {DEFAULT_SCRIPT.name})")
+    p.add_argument("--steps", type=int, default=200, help="--script: steps the script trains")
+    p.add_argument("--ckpt-every", type=int, default=10, help="--script: the script's own checkpoint interval")
+    p.add_argument("--compare", action="store_true", help="--script: also run NVRx's ft_launcher (implies --script)")
+    p.add_argument("--compare-venv", type=Path, default=Path(NVRX_VENV),
+                   help="venv with nvidia-resiliency-ext (default $TRAINWATCH_NVRX_VENV or /tmp/scratch/venv-nvrx)")
+    p.add_argument("--repeat", type=int, default=1, help="--script: hung runs per tool (interleaved)")
+    p.add_argument("--timeout", type=float, default=RUN_TIMEOUT, help="seconds one run may take before it is killed")
+    args = p.parse_args()
+    if args.compare and args.script is None:
+        args.script = str(DEFAULT_SCRIPT)
+    if args.rank is None:
+        args.rank = min(2, args.ranks - 1)
+    if not 0 <= args.rank < args.ranks:
+        p.error(f"--rank {args.rank} is not a rank of {args.ranks}")
+    if args.script is None:
+        args.step = 100 if args.step is None else args.step
+        integrated(args)
+    else:
+        args.step = 150 if args.step is None else args.step
+        if not 1 < args.step <= args.steps:
+            p.error(f"--step {args.step} must be in 2..--steps ({args.steps})")
+        script_mode(args)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ def test_entry_imports_are_installed_packages_only(tmp_path):
         sys.path.remove(str(tmp_path))
     assert found == ["torch.nn", "numpy"]  # not the stdlib, not the user's own module, not a nested import
     assert warmstart.entry_imports(str(tmp_path / "missing.py"), module=False) == []
+    assert warmstart.entry_imports("trainwatch.trainer", module=True) == ["trainwatch.trainer.train"]
     (tmp_path / "bad.py").write_bytes(b"\xff\x00def (")
     assert warmstart.entry_imports(str(tmp_path / "bad.py"), module=False) == []
 

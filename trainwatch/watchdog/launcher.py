@@ -188,6 +188,13 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     except (ValueError, AssertionError, RuntimeError) as e:
         raise LaunchError(f"invalid torchrun options: {e}") from None
     cmd, cmd_args = _worker_command(args, cmd, cmd_args)
+    zygote = None
+    if not args.no_warm_start and isinstance(cmd, str) and tuple(cmd_args[:3]) == warmstart.BOOTSTRAP \
+            and warmstart.install():
+        # It imports torch (and the entry's installed packages) while the sidecar
+        # starts and the rendezvous runs; it dies with the launcher.
+        zygote = warmstart.Zygote(warmstart.entry_imports(args.training_script, args.module), list(cmd_args[3:]))
+        zygote.start()
 
     node = args.node_name or socket.gethostname()
     nslots = launch_config.nproc_per_node
@@ -292,12 +299,6 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         master_port=master_port,
         local_addr=launch_config.local_addr,
     )
-    zygote = None
-    if not args.no_warm_start and isinstance(cmd, str) and tuple(cmd_args[:3]) == warmstart.BOOTSTRAP \
-            and warmstart.install():
-        # Imports torch (and the entry's installed packages) while the rendezvous runs.
-        zygote = warmstart.Zygote(warmstart.entry_imports(args.training_script, args.module), list(cmd_args[3:]))
-        zygote.start()
     agent = TrainwatchAgent(
         spec=spec,
         logs_specs=launch_config.logs_specs,
