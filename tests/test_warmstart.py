@@ -14,6 +14,7 @@ import psutil
 import pytest
 from util import events, job_json, trainwatch, wait_for
 
+from trainwatch import capture
 from trainwatch.watchdog import warmstart
 
 SCRIPT = textwrap.dedent("""
@@ -34,7 +35,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture
 def zygote():
-    z = warmstart.Zygote([])
+    z = warmstart.Zygote([], job="zjob")
     z.start()
     assert z.wait_ready(120) is not None
     yield z
@@ -71,6 +72,8 @@ def test_signals_reach_the_worker_and_its_code_says_so(zygote, tmp_path):
     proc = _fork(zygote, tmp_path, "0", "sleep")
     wait_for(lambda: (tmp_path / "0.json").exists(), 60, what="worker up")
     assert proc.poll() is None
+    # Its stacks may be sampled: /proc/PID/environ (the zygote's) names the job.
+    assert capture.belongs_to_job(proc.pid, "zjob") and not capture.belongs_to_job(proc.pid, "other")
     warmstart.ForkedHandler(proc, 0).close(signal.SIGTERM)
     assert proc.wait(30) == -signal.SIGTERM
 

@@ -62,7 +62,7 @@ class TrainwatchAgent(LocalElasticAgent):
             self.segment.clear(i)
         if self.zygote is not None and not self.zygote.alive():
             print("[trainwatch] the warm-start process exited; starting a new one", flush=True)
-            self.zygote = warmstart.Zygote(self.zygote.preload, self.zygote.entry)
+            self.zygote = warmstart.Zygote(self.zygote.preload, self.zygote.entry, self.zygote.job)
             self.zygote.start()
         with warmstart.using(self.zygote):
             pids = super()._start_workers(worker_group)

@@ -23,7 +23,7 @@ import uuid
 from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.inject import spec as inject
 from trainwatch.views.summary import failure_summary
-from trainwatch.watchdog import warmstart
+from trainwatch.watchdog import preflight, warmstart
 from trainwatch.watchdog.options import LaunchConfig, LaunchError, parse, prescan_job, prescan_node_scope
 
 log = logging.getLogger("trainwatch")
@@ -133,6 +133,7 @@ def launch(argv: list[str]) -> int:
 
 def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock) -> int:
     args, config = parse(argv, default_job=early)
+    preflight.check_launch(args)  # the doctor's warnings; --strict stops on a failed check
     fr_size = os.environ.get(env.FR_BUFFER_SIZE)
     if fr_size is not None and not fr_size.strip().isdigit():
         # torch reads it in init_process_group and every rank hangs there.
@@ -193,7 +194,8 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
             and warmstart.install():
         # It imports torch (and the entry's installed packages) while the sidecar
         # starts and the rendezvous runs; it dies with the launcher.
-        zygote = warmstart.Zygote(warmstart.entry_imports(args.training_script, args.module), list(cmd_args[3:]))
+        zygote = warmstart.Zygote(warmstart.entry_imports(args.training_script, args.module), list(cmd_args[3:]),
+                                  config.job)
         zygote.start()
 
     node = args.node_name or socket.gethostname()

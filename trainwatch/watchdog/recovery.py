@@ -19,7 +19,8 @@ import numpy as np
 from trainwatch import rankrow, slots, state
 from trainwatch.watchdog.incident import Incident
 
-_INIT = slots.PHASE_CODES["init"]
+_STARTING = (slots.PHASE_CODES["init"], slots.PHASE_CODES["checkpoint"])
+"""Phases of a rank still starting: imports, process group, finding and loading its checkpoint."""
 
 
 def _delta(a, b) -> float | None:
@@ -71,7 +72,7 @@ class RestartTracker:
             self._last_step = max(self._last_step, int(live["step"].max()))
             return None
         new = live[live["restart"] == restart]
-        if self._gen_ready is None and not len(old) and (new["phase"] != _INIT).all():
+        if self._gen_ready is None and not len(old) and not np.isin(new["phase"], _STARTING).any():
             # Every new rank is past start-up (imports, checkpoint load, process group).
             self._gen_ready = self.clock()
         # The new worker group has recovered once every rank finished a step.

@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Any
 
+from trainwatch import env
+
 log = logging.getLogger("trainwatch")
 
 BOOTSTRAP = ("-u", "-m", "trainwatch.rank.bootstrap")
@@ -89,9 +91,13 @@ class ForkedHandler:
 class Zygote:
     """The launcher's handle on its zygote process and control channel."""
 
-    def __init__(self, preload: list[str], entry: list[str] = ()):
+    def __init__(self, preload: list[str], entry: list[str] = (), job: str | None = None):
         self.preload = list(dict.fromkeys([*ALWAYS, *preload]))
         self.entry = list(entry)
+        self.job = job
+        """The job's name, in the zygote's own environment: /proc/PID/environ of a
+        forked worker is the zygote's, and stacks are only sampled from processes
+        whose environment names the job."""
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.ready: dict | None = None
@@ -109,6 +115,7 @@ class Zygote:
             [sys.executable, "-u", "-m", "trainwatch.rank.zygote", "--control-fd", str(theirs.fileno()),
              "--parent", str(os.getpid()), "--preload", ",".join(self.preload), "--", *self.entry],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, **({env.JOB: self.job} if self.job else {})},
         )
         theirs.close()
         threading.Thread(target=self._read, name="trainwatch-zygote", daemon=True).start()
