@@ -9,9 +9,11 @@ import sys
 from trainwatch import __version__, state
 from trainwatch.usage import Parser, fail
 
-USAGE = """trainwatch {launch,diagnose,explain,jobs,runbook,report,dashboards} ...
+USAGE = """trainwatch {launch,doctor,diagnose,explain,jobs,runbook,report,dashboards} ...
 
   launch   [torchrun options] [--job NAME] [--inject SPEC]... [SCRIPT | -m MODULE] [ARGS...]
+  doctor   [--json] [--nproc-per-node N] [--nnodes N] [--ckpt-dir DIR]
+                                 preflight: settings that hang a job, before it starts (exit 1: a check failed)
   diagnose JOB [--json]          live verdict for a running job (or the last incident)
   explain  FILE... [--json]      verdicts from logs, py-spy dumps, kernel logs ('-' = stdin)
   jobs     [--json]              list jobs and their status
@@ -28,6 +30,14 @@ def cmd_launch(argv: list[str]) -> int:
         return launch(argv)
     except LaunchError as e:
         return fail(str(e))
+
+
+def cmd_doctor(argv: list[str]) -> int:
+    from trainwatch.views import doctor
+    from trainwatch.watchdog.preflight import read_gpus
+
+    gpus, reason = read_gpus()
+    return doctor.main(argv, gpus=gpus, gpu_reason=reason)
 
 
 def cmd_jobs(argv: list[str]) -> int:
@@ -81,6 +91,7 @@ def cmd_dashboards(argv: list[str]) -> int:
 # for torch and `trainwatch launch` announces the job before importing it.
 COMMANDS = {
     "launch": cmd_launch,
+    "doctor": cmd_doctor,
     "diagnose": cmd_diagnose,
     "explain": cmd_explain,
     "jobs": cmd_jobs,

@@ -40,8 +40,11 @@ PRODUCT_RUNBOOKS = (
     "restart-loop",
     "exporter-down",
     "node-lost",
+    "nccl-env-overrides",
+    "gpu-visibility",
+    "process-limits",
 )
-"""Runbook ids that detectors and verdicts outside the stack catalog refer to."""
+"""Runbook ids that detectors, verdicts and the doctor's checks outside the stack catalog refer to."""
 
 SECTIONS = ("Symptoms", "Confirm", "Likely causes", "Fix")
 """Second-level headings every runbook has, in this order."""

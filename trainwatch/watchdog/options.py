@@ -86,13 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     tw.add_argument("--no-warm-start", action="store_true",
                     help="Start every worker as a fresh interpreter, as torchrun does (default: fork workers from a "
                     "per-node process that imported torch once, so a restart does not pay for it again).")
+    tw.add_argument("--strict", action="store_true",
+                    help="Refuse to start (exit 2) when a `trainwatch doctor` check fails (default: print it, go on).")
     flags.add_flags(parser.add_argument_group("trainwatch watchdog (thresholds and actions)"), launch_flags(),
                     FLAG_ALIASES)
     return parser
 
 
 # torchrun and trainwatch options that take no value (every other option does).
-_FLAGS = frozenset({"--standalone", "--no-warm-start", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
+_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
                     "-h", "--help"})
 
 
