@@ -1,0 +1,316 @@
+"""Straggler benchmark: no false stragglers under CPU contention, real ones still found.
+
+    python benchmarks/stragglers.py [--runs 10] [--ranks 4] [--model-size tiny] [--neighbour alternate]
+
+Runs `--runs` healthy jobs of the integrated trainer (4 ranks, 200 steps)
+while another job runs beside them on the same machine: a second, healthy
+2-rank trainwatch job, a process spinning on a CPU, or both (`--neighbour
+alternate`, the default, takes them in turns; `job`, `hog`, `both` pick one).
+Every straggler incident in a healthy run is a false one; those of the 2-rank
+neighbour job (healthy too) are counted apart. The tiny model is the default:
+its short, fast steps are the hardest case (compute of ~50 ms that the
+scheduler stretches 2-3x on one rank for seconds). Then a control: the same
+job with a real straggler injected into one rank (`--inject
+straggler:delay=...`) beside both neighbours must be detected; detect_s runs
+from the moment the fault began (recorded by the faulting rank) to the
+incident (the sidecar's detection time, same clock).
+
+Every run has its own TRAINWATCH_HOME and job name; after each one nothing of
+it may be left (common.reap: no process of its session, no slot segment);
+what was left is reaped and counted in `leftovers`.
+
+`--trace DIR` also records the slot table every sidecar tick (0.15 s) into
+DIR/<job>.npz; `--replay DIR` runs the straggler detector over such
+recordings offline and prints what it would report (no jobs are started);
+`--detector FILE` replays with another version of the detector module, e.g.
+`git show HEAD~1:trainwatch/watchdog/detectors/straggler.py > /tmp/old.py`,
+so two versions are compared on the same data.
+
+Progress goes to stderr; the LAST stdout line is one JSON object:
+{"healthy_runs": 10, "false_stragglers": 0, "true_straggler_detected": true, "detect_s": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from common import events, faults_fired, job_json, launch, log, new_home, reap, wait_for
+
+TICK_S = 0.15  # the sidecar's default tick
+CULPRIT = 2
+LEFTOVERS: list[str] = []  # processes or segments a run left behind (reaped)
+
+
+def trainer(steps: int, model: str) -> list[str]:
+    return ["-m", "trainwatch.trainer", "--model-size", model, "--max-steps", str(steps), "--log-interval", "100000"]
+
+
+class Output(threading.Thread):
+    """Reads a launcher's output as it comes (a pipe nobody reads fills up and
+    blocks the writer), keeping the last lines for a failure report."""
+
+    def __init__(self, proc: subprocess.Popen):
+        super().__init__(daemon=True)
+        self.proc, self.lines = proc, deque(maxlen=40)
+        self.start()
+
+    def run(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def tail(self) -> str:
+        self.join(10)
+        return "".join(self.lines)
+
+
+class Neighbour:
+    """What runs beside the measured job: a healthy 2-rank trainwatch job, a
+    process spinning on a CPU, or both."""
+
+    def __init__(self, kind: str, model: str, trace: str | None = None):
+        self.kind = kind
+        self.tracer: Tracer | None = None
+        self.hog: subprocess.Popen | None = None
+        self.job: subprocess.Popen | None = None
+        self.home: Path | None = None
+        self.name = ""
+        if kind in ("hog", "both"):
+            self.hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        if kind in ("job", "both"):
+            self.home = new_home("straggler-neighbour")
+            self.name = f"neighbour-{uuid.uuid4().hex[:6]}"
+            self.job = launch(self.home, "--nproc-per-node", "2", "--job", self.name, *trainer(1_000_000, model))
+            self.output = Output(self.job)
+            if trace:
+                self.tracer = Tracer(self.home, self.name, Path(trace))
+                self.tracer.start()
+            # Let it start stepping first: the measured job then starts under load.
+            wait_for(lambda: _stepping(self.home, self.name, 2), 120, 0.5)
+
+    def stop(self) -> int:
+        """Stop everything; the neighbour job's (false) straggler incidents."""
+        found = 0
+        if self.job is not None:
+            if self.tracer is not None:
+                self.tracer.halt.set()
+                self.tracer.join()
+            # SIGTERM to its session (a user's Ctrl-C); nothing of it may be left.
+            left = reap(self.job, self.home, self.name)
+            if left:
+                LEFTOVERS.extend(left)
+                log(f"  neighbour {self.name} did not stop cleanly; its last output:\n{self.output.tail()}")
+            found = len([e for e in events(self.home, self.name) if e["kind"] == "straggler"])
+        if self.hog is not None:
+            self.hog.kill()
+            self.hog.wait()
+        return found
+
+
+def _stepping(home: Path, job: str, ranks: int) -> bool:
+    try:
+        tel = json.loads((home / "jobs" / job / "telemetry.json").read_text())["ranks"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return len(tel) == ranks and all((r.get("step") or 0) >= 3 for r in tel)
+
+
+class Tracer(threading.Thread):
+    """Records the job's slot table every tick, as the sidecar reads it."""
+
+    def __init__(self, home: Path, job: str, out: Path):
+        super().__init__(daemon=True)
+        self.home, self.job, self.out = home, job, out
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        from trainwatch import slots
+
+        seg_path = wait_for(lambda: job_json(self.home, self.job).get("slots"), 120, 0.2)
+        if not seg_path:
+            return
+        try:
+            seg = slots.Segment(seg_path)
+        except (OSError, ValueError):
+            return
+        times, tables, prev = [], [], None
+        try:
+            while not self.halt.wait(TICK_S):
+                try:
+                    prev = seg.read_table(previous=prev)
+                except (OSError, ValueError):
+                    break
+                times.append(time.monotonic())
+                tables.append(prev.view(np.uint8).copy())  # raw bytes: np.stack drops the layout's padding
+        finally:
+            seg.close()
+        if tables:
+            np.savez_compressed(self.out / f"{self.job}.npz", now=np.array(times), table=np.stack(tables))
+
+
+def run_job(home: Path, job: str, args, *extra: str, until=None, timeout: float = 900) -> tuple[list[dict], subprocess.Popen]:
+    tracer = Tracer(home, job, Path(args.trace)) if args.trace else None
+    proc = launch(home, "--nproc-per-node", str(args.ranks), "--job", job, "--no-restart", *extra)
+    output = Output(proc)
+    if tracer:
+        tracer.start()
+    try:
+        if until is not None:
+            wait_for(until, timeout, 0.25)
+        else:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log(f"  {job} did not finish in {timeout:.0f}s; stopping it")
+    finally:
+        if tracer:
+            tracer.halt.set()
+            tracer.join()
+        # Stopped like a user's Ctrl-C if still running; nothing of the run may
+        # be left: not a process of its session, not its slot segment.
+        LEFTOVERS.extend(reap(proc, home, job))
+    if until is None and proc.returncode != 0:
+        log(f"  {job} exited {proc.returncode} (its home {home} is kept); its last output:\n{output.tail()}")
+    return [e for e in events(home, job) if e["kind"] == "straggler"], proc
+
+
+def neighbour_kind(mode: str, i: int) -> str:
+    return ("job", "hog", "both")[i % 3] if mode == "alternate" else mode
+
+
+def healthy_runs(args) -> tuple[int, int, list]:
+    false_main, false_neighbour, detail = 0, 0, []
+    for i in range(args.runs):
+        kind = neighbour_kind(args.neighbour, i)
+        job = f"healthy-{i}-{uuid.uuid4().hex[:6]}"
+        home = new_home("straggler-healthy")
+        t0 = time.monotonic()
+        nb = Neighbour(kind, args.model_size, args.trace)
+        try:
+            found, proc = run_job(home, job, args, *trainer(args.steps, args.model_size))
+        finally:
+            nb_found = nb.stop()
+        wall = time.monotonic() - t0
+        false_main += len(found)
+        false_neighbour += nb_found
+        detail.append({"run": i, "neighbour": kind, "rc": proc.returncode, "false_stragglers": len(found),
+                       "neighbour_false_stragglers": nb_found, "wall_s": round(wall, 1)})
+        for e in found:
+            log(f"  FALSE straggler: {e['summary']}")
+        log(f"run {i + 1}/{args.runs} beside {kind}: rc={proc.returncode} false stragglers={len(found)} "
+            f"(neighbour job: {nb_found}) {wall:.0f}s")
+        if not args.keep and proc.returncode == 0:
+            shutil.rmtree(home, ignore_errors=True)
+            if nb.home:
+                shutil.rmtree(nb.home, ignore_errors=True)
+    return false_main, false_neighbour, detail
+
+
+def control_run(args) -> dict:
+    kind = args.control_neighbour
+    job = f"straggler-{uuid.uuid4().hex[:6]}"
+    home = new_home("straggler-control")
+    spec = f"straggler:delay={args.delay},rank={CULPRIT},step=5"
+    log(f"control: --inject {spec} beside {kind} ...")
+    nb = Neighbour(kind, args.model_size, args.trace) if kind != "none" else None
+    try:
+        found, _ = run_job(home, job, args, "--inject", spec, *trainer(1_000_000, args.model_size),
+                           until=lambda: [e for e in events(home, job) if e["kind"] == "straggler"],
+                           timeout=args.timeout)
+        fired = faults_fired(home, job)
+    finally:
+        if nb is not None:
+            nb.stop()
+    out = {"detected": bool(found), "culprit_ok": bool(found) and found[0]["culprit_ranks"] == [CULPRIT],
+           "detect_s": None, "neighbour": kind}
+    if found and fired:
+        out["detect_s"] = round(found[0]["detected_mono"] - fired[0]["mono"], 2)
+        out["summary"] = found[0]["summary"][:200]
+    log(f"  detected={out['detected']} culprit_ok={out['culprit_ok']} detect_s={out['detect_s']}")
+    if not args.keep:
+        shutil.rmtree(home, ignore_errors=True)
+        if nb is not None and nb.home:
+            shutil.rmtree(nb.home, ignore_errors=True)
+    return out
+
+
+def replay(trace_dir: Path, module: str | None) -> None:
+    """The straggler detector over recorded slot tables, tick by tick."""
+    from trainwatch import slots
+    from trainwatch.watchdog.detectors import StragglerDetector
+    from trainwatch.watchdog.detectors.base import TickView
+
+    if module:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("straggler_under_test", module)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)
+        detector = mod.StragglerDetector
+    else:
+        detector = StragglerDetector
+    total = 0
+    for path in sorted(trace_dir.glob("*.npz")):
+        data = np.load(path)
+        det, seen = detector(), set()
+        for now, raw in zip(data["now"], data["table"]):
+            for inc in det.check(TickView.from_table(float(now), raw.view(slots.slot_dtype()))):
+                key = tuple(inc.culprit_ranks)
+                if key not in seen:
+                    seen.add(key)
+                    log(f"  {path.stem} t={now - data['now'][0]:.1f}s: {inc.summary}")
+        total += bool(seen) and not path.stem.startswith("straggler")
+        log(f"{path.stem}: {'straggler ' + str(sorted(seen)) if seen else 'no straggler'}")
+    print(json.dumps({"traces": len(list(trace_dir.glob('*.npz'))), "healthy_with_straggler": total}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=10, help="healthy runs")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200, help="steps of each healthy run")
+    p.add_argument("--model-size", default="tiny")
+    kinds = ("job", "hog", "both", "none")
+    p.add_argument("--neighbour", choices=("alternate", *kinds), default="alternate",
+                   help="what runs beside the healthy jobs (alternate: job, hog, both in turns)")
+    p.add_argument("--control-neighbour", choices=kinds, default="both")
+    p.add_argument("--delay", type=float, default=0.3, help="the injected straggler's extra compute per step (s)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the control's incident")
+    p.add_argument("--no-control", action="store_true")
+    p.add_argument("--trace", help="record every run's slot tables into this directory")
+    p.add_argument("--replay", help="run the detector over the recordings in this directory and exit")
+    p.add_argument("--detector", help="with --replay: the straggler detector module file to replay")
+    p.add_argument("--keep", action="store_true", help="keep the runs' TRAINWATCH_HOME directories")
+    args = p.parse_args()
+    if args.replay:
+        replay(Path(args.replay), args.detector)
+        return
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+    false_main, false_nb, detail = healthy_runs(args) if args.runs else (0, 0, [])
+    control = None if args.no_control else control_run(args)
+    print(json.dumps({
+        "healthy_runs": args.runs,
+        "false_stragglers": false_main,
+        "neighbour_false_stragglers": false_nb,
+        "true_straggler_detected": None if control is None else control["detected"] and control["culprit_ok"],
+        "detect_s": None if control is None else control["detect_s"],
+        "leftovers": len(LEFTOVERS),
+        "control": control,
+        "runs": detail,
+    }))
+
+
+if __name__ == "__main__":
+    main()
