@@ -97,7 +97,14 @@ POSITIVE = [
     ("collective-wait", [("c10d::ProcessGroupGloo::RecvWork::wait", "libtorch_cpu.so")]),
     ("collective-wait", [("ncclGroupEnd", "libnccl.so.2")]),
     ("cuda-synchronize", [("synchronize", "torch/cuda/__init__.py", 803), STEP]),
-    ("cuda-synchronize", [("cuEventSynchronize", "libcuda.so.1"), ("_to_list", "vllm/v1/worker/gpu_model_runner.py", 10)]),
+    ("cuda-synchronize", [("synchronize", "torch/cuda/__init__.py", 1219),
+                          ("synchronize", "deepspeed/accelerator/cuda_accelerator.py", 89),
+                          ("allreduce_gradients", "deepspeed/runtime/engine.py", 2904)]),
+    ("cuda-device-wait", [("cuEventSynchronize", "libcuda.so.1"),
+                          ("_to_list", "vllm/v1/worker/gpu_model_runner.py", 10)]),
+    ("cuda-device-wait", [("??", "/lib64/libcuda.so.1"), ("??", "/lib64/libcudart.so.12")]),
+    ("cuda-device-wait", [("cuMemcpyDtoH_v2", "libcuda.so.1"),
+                          ("at::native::_to_copy(at::Tensor const&)", "libtorch_cpu.so")]),
     ("triton-compile", [("compile", "triton/compiler/compiler.py", 280), STEP]),
     ("triton-compile", [("acquire", "filelock/_api.py", 300), ("load", "torch/_inductor/codecache.py", 90)]),
     ("cpp-extension-lock", [("wait", "torch/utils/file_baton.py", 42), ("_jit_compile", "torch/utils/cpp_extension.py", 1522)]),
@@ -157,6 +164,22 @@ def test_worker_death_from_traceback_exception():
       ("_precompile_config", "torch/_inductor/runtime/triton_heuristics.py", 422)], "cuda-synchronize"),
     # Generic collective beats "backward is running".
     ([("all_reduce", C10D, 2501), ("backward", "torch/autograd/__init__.py", 266)], "collective-wait"),
+    # A Python-level synchronize is a device wait even under gradient-reduction frames that name a
+    # collective (DeepSpeed allreduce_gradients, Megatron reduce_gradients/_reduce...).
+    ([("synchronize", "torch/cuda/__init__.py", 1219), ("allreduce_gradients", "deepspeed/runtime/engine.py", 2904),
+      ("backward", "deepspeed/runtime/engine.py", 3240)], "cuda-synchronize"),
+    ([("synchronize", "torch/cuda/__init__.py", 1219),
+      ("_allreduce_layernorm_grads", "megatron/core/distributed/finalize_model_grads.py", 120),
+      ("finalize_model_grads", "megatron/core/distributed/finalize_model_grads.py", 260)], "cuda-synchronize"),
+    # ... and so is native code inside that synchronize (py-spy --native).
+    ([("cudaDeviceSynchronize", "libcudart.so"), ("synchronize", "torch/cuda/__init__.py", 1219),
+      ("all_reduce", C10D, 2501)], "cuda-synchronize"),
+    # But a synchronize deeper than the innermost Python frame belongs to that frame.
+    ([("cuStreamSynchronize", "libcuda.so.1"), ("all_reduce", C10D, 2501),
+      ("synchronize", "torch/cuda/__init__.py", 1219)], "collective-wait"),
+    # A thread inside the CUDA driver under a collective waits for the collective.
+    ([("??", "/lib64/libcuda.so.1"), ("c10d::ProcessGroupNCCL::WorkNCCL::wait()", "libtorch_cuda.so")],
+     "collective-wait"),
 ])
 def test_priority(frames, expected):
     assert pattern_of(*frames) == expected
@@ -226,6 +249,9 @@ def test_evidence_is_the_innermost_revealing_frame():
     (("broadcast", "numpy/lib/stride_tricks.py", 1), None),      # weak names need distributed context
     (("c10d::ProcessGroupNCCL::broadcastUniqueNCCLID(ncclUniqueId*)", "libtorch_cuda.so"), None),
     (("reduced_sum", "train.py", 1), None),
+    # DDP's reducer waits on a bucket's all-reduce without naming it.
+    (("c10d::Reducer::finalize_backward", "libtorch_cpu.so"), "all_reduce"),
+    (("c10d::Reducer::autograd_hook(unsigned long)", "libtorch_cpu.so"), "all_reduce"),
 ])
 def test_collective_op(frame, op):
     assert collective_op(thread(frame)) == op
@@ -238,3 +264,24 @@ def test_user_code_regex():
     for lib in ("threading.py", "torch/nn/modules/module.py", "/x/site-packages/foo/bar.py",
                 "/usr/lib/python3.11/queue.py", "<frozen runpy>", "libc.so.6"):
         assert not user.search(lib), lib
+
+
+def test_ddp_reducer_wait_in_an_autograd_thread_names_the_all_reduce():
+    """py-spy --native: the autograd worker waits on the work DDP's reducer launched."""
+    worker = thread(("pthread_cond_wait@@GLIBC_2.3.2", "libpthread.so.0"),
+                    ("c10d::ProcessGroupNCCL::WorkNCCL::wait", "libtorch_cuda.so"),
+                    ("c10d::Reducer::finalize_backward", "libtorch_cpu.so"),
+                    ("torch::autograd::Engine::thread_main", "libtorch_cpu.so"), name=None, active=False)
+    main = thread(("pthread_cond_wait", "libpthread.so.0"), ("torch::autograd::Engine::execute", "libtorch_cpu.so"),
+                  ("backward", "torch/autograd/__init__.py", 267), active=False)
+    chosen, match = interesting_thread(process(main, worker))
+    assert chosen is worker and match.pattern.category == "collective_wait"
+    assert collective_op(chosen) == "all_reduce"
+
+
+def test_an_unnamed_driver_frame_is_evidence_only_when_nothing_is_named():
+    match = match_thread(thread(("??", "/lib64/libcuda.so.1"), ("cuMemcpyDtoH_v2", "/lib64/libcuda.so.1")))
+    assert match.frame == Frame("cuMemcpyDtoH_v2", "/lib64/libcuda.so.1")
+    match = match_thread(thread(("??", "/lib64/libcuda.so.1"), ("??", "/lib64/libcuda.so.1")))
+    assert match.pattern.id == "cuda-device-wait" and match.frame.file == "/lib64/libcuda.so.1"
+

@@ -14,10 +14,16 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trainwatch.diagnostics import explain
+from trainwatch.diagnostics.desync_reports import desync_reports
 from trainwatch.diagnostics.explain import explain_inputs, render_report
 from trainwatch.diagnostics.findings import ERROR_CATEGORIES, FINDING_KEYS
+from trainwatch.diagnostics.kernel_log import parse_kernel_log, summarize
+from trainwatch.diagnostics.logparse import line_rank, parse_log
+from trainwatch.diagnostics.stack_parsers import parse_stack_text, strip_line_prefixes
 from trainwatch.views.explain import main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "explain"
@@ -196,6 +202,106 @@ def test_a_parser_that_raises_while_parsing_is_reported_per_input(monkeypatch) -
 def test_source_lines_are_not_evidence() -> None:
     text = b"# source: https://github.com/pytorch/pytorch/issues/1 CUDA error: out of memory\n"
     assert explain_inputs([("a.txt", text)])["findings"] == []
+
+
+# -- shapes that were misread (each a fixture of the corpus too) ----------------------
+
+
+def _explain(name: str) -> list[dict]:
+    report = explain_inputs([(name, (FIXTURES / name).read_bytes())])
+    assert report["errors"] == []
+    return report["findings"]
+
+
+def test_synchronize_under_gradient_reduction_waits_for_the_gpu() -> None:
+    """DeepSpeed ZeRO-2 calls torch.cuda.synchronize() inside allreduce_gradients
+    (deepspeedai/DeepSpeed#620 names that call); the py-spy dump is laid out after
+    huggingface/accelerate#3104's. The rank waits for the device, not in a collective."""
+    (finding,) = _explain("stack-deepspeed-620-pyspy-zero2-synchronize-in-allreduce-gradients.txt")
+    assert (finding["category"], finding["runbook"], finding["op"]) == ("cuda_sync", "cuda-sync", None)
+    assert finding["evidence"] == "synchronize (torch/cuda/__init__.py:1219)"
+
+
+def test_gdb_inside_libcuda_next_to_a_pyspy_copy_waits_for_the_gpu() -> None:
+    """rwth-i6/returnn#1808: gdb shows the main thread in libcuda under cudaMemcpyAsync,
+    py-spy shows it in copy_to_device (a tensor .to(device))."""
+    (finding,) = _explain("stack-returnn-1808-gdb-libcuda-with-pyspy-copy-to-device.txt")
+    assert finding["category"] == "cuda_sync"
+    assert finding["evidence"].startswith("cudaMemcpyAsync (")
+
+
+def test_faulthandler_dump_with_doubled_rank_prefixes_in_checkpoint_loading() -> None:
+    """pytorch/torchtitan#3065: every line carries "[rank3]:" twice; the main thread is in
+    the scatter of DCP's reduce_scatter while loading."""
+    (finding,) = _explain("stack-torchtitan-3065-faulthandler-doubled-rank-prefix-dcp-load.txt")
+    assert (finding["category"], finding["op"], finding["rank"], finding["ranks"]) == (
+        "checkpoint_io", "scatter", 3, [3])
+
+
+def test_child_failed_summary_carrying_a_collective_mismatch() -> None:
+    """speechbrain/speechbrain#2401: the ChildFailedError's embedded traceback is a
+    fingerprint mismatch; the mismatch is the finding, the child failure its consequence."""
+    findings = _explain("log-speechbrain-2401-childfailed-collective-mismatch.txt")
+    assert [f["category"] for f in findings if f["kind"] == "error"] == ["collective_mismatch", "child_failed"]
+    mismatch, child = findings[0], findings[1]
+    assert (mismatch["ranks"], mismatch["seq"], mismatch["op"]) == ([0, 1], 485, None)
+    assert [(p["rank"], p["op"]) for p in mismatch["per_rank"]] == [(0, "BROADCAST"), (1, "ALLREDUCE")]
+    assert (child["cause"], child["rank"], child["root_cause"]) == ("collective_mismatch", 0, True)
+
+
+def test_stuck_watchdog_message_is_a_heartbeat_timeout() -> None:
+    """hiyouga/LlamaFactory#8549: two ranks' heartbeat monitors report their watchdog stuck."""
+    (finding,) = _explain("log-llamafactory-8549-watchdog-stuck-two-ranks.txt")
+    assert (finding["category"], finding["runbook"], finding["ranks"]) == (
+        "heartbeat_timeout", "watchdog-stuck", [1, 2])
+    assert (finding["stuck_s"], finding["pg"], finding["pg_name"]) == (480, "0", "default_pg")
+
+
+def test_native_autograd_thread_waiting_on_ddp_names_the_all_reduce() -> None:
+    """pytorch/pytorch#20355: backward hangs in DDP's reducer; py-spy --native frames only."""
+    (finding,) = _explain("stack-pytorch-20355-pyspy-native-ddp-reducer-wait.txt")
+    assert (finding["category"], finding["op"]) == ("collective_wait", "all_reduce")
+
+
+def test_follow_on_xids_take_the_severity_of_the_xid_they_name() -> None:
+    """NVIDIA/open-gpu-kernel-modules#1150: Xid 45 lines "caused by previous Xid 149/145"."""
+    findings = _explain("kernel-open-gpu-kernel-modules-1150-xid45-caused-by-nvlink.txt")
+    assert {(f["xid"], f["severity"], f["action"]) for f in findings} == {(45, "high", "reset_gpu")}
+    assert sorted(f["caused_by_xid"] for f in findings) == [145, 145, 145, 149]
+
+
+# -- no input makes a reader raise ------------------------------------------------------------
+
+_CORPUS_LINES = sorted({line for path in CORPUS for line in path.read_text().splitlines() if line.strip()})
+_LINE = st.one_of(
+    st.sampled_from(_CORPUS_LINES),
+    # a real line cut anywhere (wrapped, truncated pastes) ...
+    st.sampled_from(_CORPUS_LINES).flatmap(lambda line: st.integers(0, len(line)).map(lambda i: line[:i])),
+    # ... or with a prefix a launcher might add
+    st.tuples(st.sampled_from(["[rank3]:", "[rank0]:[rank0]:", "12:00:00.1 [rank1]: ", "\t - ", "  "]),
+              st.sampled_from(_CORPUS_LINES)).map("".join),
+    st.text(max_size=60),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lines=st.lists(_LINE, max_size=25), noise=st.binary(max_size=64))
+def test_readers_never_raise_on_mixed_real_fragments(lines: list[str], noise: bytes) -> None:
+    text = "\n".join(lines)
+    for line in lines:
+        rank, rest = strip_line_prefixes(line)
+        assert rank is None or isinstance(rank, int)
+        assert line.endswith(rest)
+    parse_stack_text(text)
+    parse_log(text, source="rank2.log")
+    desync_reports(text.splitlines(), line_rank)
+    summarize(parse_kernel_log(text))
+    report = explain_inputs([("rank2.log", text.encode() + noise), ("b.txt", text.encode("utf-16"))])
+    assert not any("parser failed" in e for e in report["errors"]), report["errors"]
+    for finding in report["findings"]:
+        assert set(FINDING_KEYS) <= finding.keys()
+        assert json.dumps(finding)
+    assert isinstance(render_report(report), str)
 
 
 # -- main -----------------------------------------------------------------------

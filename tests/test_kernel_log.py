@@ -323,3 +323,47 @@ def test_golden_recovery_action_from_real_xid_154():
     assert recovery.action == "reset_gpu"
     assert recovery.severity == "high"
     assert recovery.timestamp == "2026-04-22T21:26:20.695845708Z"
+
+
+# --- follow-on Xids that name their cause ------------------------------------------------
+
+def test_follow_on_xid_takes_the_severity_and_action_of_the_xid_it_names():
+    event = only("NVRM: Xid (PCI:0000:3b:00): 45, pid=1234, name=python, Ch 00000008, (caused by previous Xid 79)")
+    assert (event.code, event.caused_by) == (45, 79)
+    assert (event.severity, event.action) == ("critical", "reboot_node")
+
+
+def test_follow_on_xid_never_gets_milder_than_itself():
+    # An application fault cannot make a lost GPU a matter for the application.
+    event = only("NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=python, GPU has fallen off the bus caused by Xid 13")
+    assert (event.caused_by, event.severity, event.action) == (13, "critical", "reboot_node")
+
+
+@pytest.mark.parametrize("text", [
+    "NVRM: Xid (PCI:0000:3b:00): 45, pid=1, name=w, Ch 00000008",
+    "NVRM: Xid (PCI:0000:3b:00): 45, pid=1, name=w, Ch 00000008 caused by previous Xid",
+    "NVRM: Xid (PCI:0000:3b:00): 45, pid=1, name=w, caused by previous Xid 45",
+])
+def test_follow_on_xid_without_a_usable_cause_keeps_its_own_row(text):
+    event = only(text)
+    assert (event.caused_by, event.severity) == (None, "info")
+
+
+def test_golden_nvlink_burst_follows_the_nvlink_xids_it_names():
+    """NVIDIA/open-gpu-kernel-modules#1150: only the Xid 45 clean-ups survive in the excerpt,
+    each naming the NVLink Xid (149 NETIR, 145 RLW) that caused it."""
+    events = parse_kernel_log((FIXTURES / "xid45_caused_by_nvlink_kernel_prefix.log").read_text())
+    assert {e.caused_by for e in events} == {149, 145}
+    assert {(e.severity, e.action) for e in events} == {("high", "reset_gpu")}
+    summary = summarize(events)
+    assert summary.root_cause is None  # the NVLink lines themselves are not in the excerpt
+    assert summary.root_cause_xid == 149
+    assert summary.most_severe is not None and summary.most_severe.severity == "high"
+    findings = {f["pci"]: f for f in xid_findings((FIXTURES / "xid45_caused_by_nvlink_kernel_prefix.log").read_text())}
+    assert findings["0000:dc:00"]["caused_by_xid"] == 149 and findings["0000:ed:00"]["caused_by_xid"] == 145
+    assert {(f["severity"], f["action"]) for f in findings.values()} == {("high", "reset_gpu")}
+
+
+def test_summary_root_cause_xid_is_the_root_events_when_it_is_in_the_log():
+    assert summarize(parse_kernel_log(BURST)).root_cause_xid == 13
+    assert summarize([]).root_cause_xid is None

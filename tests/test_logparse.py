@@ -172,11 +172,32 @@ def test_timeout_signal_from_the_monitor_thread() -> None:
     assert (f["category"], f["rank"]) == ("heartbeat_timeout", 0)
 
 
-def test_watchdog_stuck() -> None:
-    f = one("[rank2]:[E419 10:53:25.42 ProcessGroupNCCL.cpp:1484] [PG ID 0 PG GUID 0(default_pg) Rank 2] "
+def test_watchdog_stuck_is_the_heartbeat_monitor_timing_out() -> None:
+    """torch >= 2.4's heartbeat monitor names the stuck watchdog instead of printing
+    "Heartbeat monitor timed out!"; no WorkNCCL/SeqNum line comes with it."""
+    f = one("[rank3]:[E419 10:53:25.42 ProcessGroupNCCL.cpp:1484] [PG ID 0 PG GUID 0(default_pg) Rank 3] "
             "ProcessGroupNCCL's watchdog got stuck for 480 seconds without making progress in monitoring enqueued "
-            "collectives.")
-    assert (f["category"], f["timeout_ms"], f["rank"], f["runbook"]) == ("watchdog_stuck", 480000, 2, "watchdog-stuck")
+            "collectives. This typically indicates a NCCL/CUDA API (e.g., CudaEventDestroy) hang blocking the "
+            "watchdog, and could be triggered by another thread holding the GIL inside a CUDA api (for example, "
+            "CudaEventDestroy), or other deadlock-prone behaviors.")
+    assert (f["category"], f["severity"], f["runbook"]) == ("heartbeat_timeout", "high", "watchdog-stuck")
+    assert (f["stuck_s"], f["timeout_ms"], f["rank"], f["pg"], f["pg_name"]) == (480, 480000, 3, "0", "default_pg")
+    assert f["seq"] is None and f["op"] is None
+
+
+def test_watchdog_stuck_in_a_named_subgroup_keeps_its_name() -> None:
+    f = one("[rank4]:[E205 18:11:06.37 ProcessGroupNCCL.cpp:1870] [PG ID 12 PG GUID 99(EXPERT_MODEL_PARALLEL_GROUP) "
+            "Rank 4] ProcessGroupNCCL's watchdog got stuck for 600 seconds without making progress")
+    assert (f["rank"], f["pg"], f["pg_name"], f["stuck_s"]) == (4, "99", "EXPERT_MODEL_PARALLEL_GROUP", 600)
+
+
+def test_heartbeat_line_and_stuck_watchdog_line_are_one_event() -> None:
+    text = ("[rank3]:[E ProcessGroupNCCL.cpp:1316] [PG 0 Rank 3] Heartbeat monitor timed out! Process will be "
+            "terminated after dumping debug info. workMetaList_.size()=2\n"
+            "[rank3]:[F ProcessGroupNCCL.cpp:1169] [PG 0 Rank 3] [PG 0 Rank 3] ProcessGroupNCCL's watchdog got stuck "
+            "for 600 seconds without making progress in monitoring enqueued collectives.")
+    f = one(text)
+    assert (f["category"], f["rank"], f["pending_work"], f["stuck_s"]) == ("heartbeat_timeout", 3, 2, 600)
 
 
 # -- NCCL errors ------------------------------------------------------------------------------
@@ -532,3 +553,109 @@ def test_signal_name() -> None:
 def test_empty_and_unrelated_text() -> None:
     assert error_findings("") == []
     assert error_findings("step 100 | loss 2.31 | lr 3e-4\nNCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC\n") == []
+
+
+# -- ranks that disagree: torch's own mismatch reports ------------------------------------------
+
+_OPTIONS = ("TensorOptions(dtype=float (default), device=cuda, layout=Strided (default), requires_grad=false "
+            "(default), pinned_memory=false (default), memory_format=(nullopt))")
+
+
+def test_fingerprint_mismatch_names_both_ranks_and_their_collectives() -> None:
+    # Lightning-AI/pytorch-lightning#19045: the peer's fingerprint lost its comma.
+    f = one(f"[rank3]: RuntimeError: Detected mismatch between collectives on ranks. Rank 3 is running collective: "
+            f"CollectiveFingerPrint(SequenceNumber=152517, OpType=BROADCAST, TensorShape=[1], TensorDtypes=Long, "
+            f"TensorDeviceTypes={_OPTIONS}), but Rank 0 is running collective: "
+            f"CollectiveFingerPrint(SequenceNumber=0OpType=REDUCE).Collectives differ in the following aspects: "
+            f"\t Sequence number: 152517vs 0  Op type: BROADCASTvs REDUCE")
+    assert (f["category"], f["severity"], f["runbook"]) == ("collective_mismatch", "high", "collective-mismatch")
+    assert (f["ranks"], f["rank"], f["reported_by"], f["op"], f["seq"]) == ([0, 3], None, 3, None, None)
+    assert f["per_rank"] == [{"rank": 0, "seq": 0, "op": "REDUCE"}, {"rank": 3, "seq": 152517, "op": "BROADCAST"}]
+    assert f["mismatch"] == "rank 0 REDUCE #0 vs rank 3 BROADCAST #152517"
+
+
+def test_fingerprint_mismatch_of_shapes_keeps_the_common_op_and_seq() -> None:
+    # modelscope/ms-swift#9443
+    f = one(f"[rank1]: RuntimeError: Detected mismatch between collectives on ranks. Rank 1 is running collective: "
+            f"CollectiveFingerPrint(SequenceNumber=3104, OpType=ALLREDUCE, TensorShape=[195812480], "
+            f"TensorDtypes=BFloat16, TensorDeviceTypes={_OPTIONS}), but Rank 0 is running collective: "
+            f"CollectiveFingerPrint(SequenceNumber=3104, OpType=ALLREDUCE, TensorShape=[51123456], "
+            f"TensorDtypes=BFloat16, TensorDeviceTypes={_OPTIONS}).")
+    assert (f["op"], f["seq"], f["ranks"]) == ("ALLREDUCE", 3104, [0, 1])
+
+
+def test_old_fingerprint_mismatch_without_sequence_numbers() -> None:
+    # speechbrain/speechbrain#1166 (torch 1.10): one fingerprint only, no peer.
+    f = one(f"RuntimeError: Detected mismatch between collectives on ranks. Rank 0 is running inconsistent "
+            f"collective: CollectiveFingerPrint(OpType=BROADCAST, TensorShape=[4], TensorDtypes=Float, "
+            f"TensorDeviceTypes={_OPTIONS}")
+    assert (f["ranks"], f["rank"], f["op"], f["seq"]) == ([0], 0, "BROADCAST", None)
+
+
+def test_the_same_mismatch_seen_from_both_ranks_is_one_finding() -> None:
+    side = "CollectiveFingerPrint(SequenceNumber=21, OpType={op}, TensorShape=[1])"
+    line = ("[rank{r}]: RuntimeError: Detected mismatch between collectives on ranks. Rank {r} is running "
+            "collective: {mine}, but Rank {o} is running collective: {theirs}.")
+    text = "\n".join([
+        line.format(r=0, o=1, mine=side.format(op="BROADCAST"), theirs=side.format(op="ALLREDUCE")),
+        line.format(r=1, o=0, mine=side.format(op="ALLREDUCE"), theirs=side.format(op="BROADCAST")),
+    ])
+    f = one(text)
+    assert (f["ranks"], f["seq"], f["op"], f.get("reported_by")) == ([0, 1], 21, None, None)
+
+
+NCCL_DESYNC_REPORT = (
+    "[rank0]:[E ProcessGroupNCCL.cpp:577] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=103, "
+    "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600315 milliseconds before timing out.\n"
+    "[rank0]:[E ProcessGroupNCCL.cpp:1096]\n"
+    "\t - [0] Timeout at collective: ALLREDUCE, #103\n"
+    "\t - To our best knowledge, the lagging/dead/mismatched ranks that caused the desync are:\n"
+    "\t   - [3] joined but didn't finish collective #103 (count from 1)\n"
+    "\t     [1, 2] finished collective #103, but didn't join collective #104 (count from 1)\n"
+    "\t - Snapshot of ranks' latest states:\n"
+    "\t   #103 started ranks:\n"
+    "\t     [0, 3] started ALLREDUCE\n"
+)
+
+
+def test_nccl_desync_report_names_the_lagging_ranks() -> None:
+    """The report's wording is torch's retrieveDesyncReport (torch/csrc/distributed/c10d/TraceUtils.h)."""
+    findings = error_findings(NCCL_DESYNC_REPORT)
+    assert [f["category"] for f in findings] == ["collective_timeout", "collective_mismatch"]
+    f = findings[1]
+    assert (f["ranks"], f["rank"], f["op"], f["seq"], f["reported_by"]) == ([1, 2, 3], None, "ALLREDUCE", 103, 0)
+    assert f["per_rank"] == [
+        {"rank": 3, "seq": 103, "state": "joined, not finished"},
+        {"rank": 1, "seq": 103, "state": "finished, next not joined"},
+        {"rank": 2, "seq": 103, "state": "finished, next not joined"},
+    ]
+    assert f["evidence"].startswith("[0] Timeout at collective: ALLREDUCE, #103; [3] joined")
+
+
+def test_nccl_desync_report_of_ranks_that_never_joined() -> None:
+    text = ("\t - [2] Timeout at collective: BROADCAST, #1\n"
+            "\t - To our best knowledge, ranks [5, 7] are the lagging ranks that caused this timeout. "
+            "They never joined any collectives\n")
+    f = one(text)
+    assert (f["category"], f["ranks"], f["op"], f["seq"], f["reported_by"]) == (
+        "collective_mismatch", [5, 7], "BROADCAST", 1, 2)
+    assert {p["state"] for p in f["per_rank"]} == {"never joined"}
+
+
+def test_a_desync_report_that_names_no_rank_is_no_finding() -> None:
+    assert error_findings("\t - [2] Timeout at collective: BROADCAST, #1\n") == []
+
+
+def test_child_failure_caused_by_a_mismatch_comes_second_and_names_it() -> None:
+    text = CHILD_FAILED.replace(
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+        "  traceback : Traceback (most recent call last):\n"
+        "    File \"train.py\", line 3, in main\n"
+        "  RuntimeError: Detected mismatch between collectives on ranks. Rank 9 is running collective: "
+        "CollectiveFingerPrint(SequenceNumber=7, OpType=ALLGATHER), but Rank 3 is running collective: "
+        "CollectiveFingerPrint(SequenceNumber=7, OpType=REDUCE).")
+    findings = error_findings(text)
+    assert [f["category"] for f in findings] == ["collective_mismatch", "child_failed", "child_failed"]
+    cause = {f["rank"]: f.get("cause") for f in findings if f["category"] == "child_failed"}
+    assert cause == {9: "collective_mismatch", 3: None}
+

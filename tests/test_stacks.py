@@ -29,7 +29,7 @@ from trainwatch.diagnostics.stack_groups import (
     signature,
     stack_findings,
 )
-from trainwatch.diagnostics.stack_parsers import parse_pyspy_json, parse_stack_text
+from trainwatch.diagnostics.stack_parsers import parse_pyspy_json, parse_stack_text, strip_line_prefixes
 from trainwatch.diagnostics.stacks import Frame, ProcessStack, ThreadStack, short_path
 
 FIXTURES = Path(__file__).parent / "fixtures" / "explain"
@@ -320,6 +320,71 @@ def test_c10_cpp_frames_and_rank_prefixes():
     assert procs[1].threads[0].exception == "KeyboardInterrupt"
 
 
+@pytest.mark.parametrize("line, rank, rest", [
+    ("[rank3]:  File \"a.py\", line 1 in f", 3, ' File "a.py", line 1 in f'),
+    # torchrun tees a rank's output that already carries torch's prefix (pytorch/torchtitan#3065).
+    ("[rank0]:[rank0]:   File \"a.py\", line 1 in f", 0, '  File "a.py", line 1 in f'),
+    ("[default1]:[rank1]: Current thread 0x1 (most recent call first):", 1,
+     "Current thread 0x1 (most recent call first):"),
+    ("18:11:06.680 [rank4]:[E205 18:11:06] x", 4, "[E205 18:11:06] x"),
+    ("2024-02-09 09:09:15,164 [rank2]: Thread 0x1 (most recent call first):", 2,
+     "Thread 0x1 (most recent call first):"),
+    ("node-7: [rank5]:     all_reduce (torch/distributed/distributed_c10d.py:2501)", 5,
+     "    all_reduce (torch/distributed/distributed_c10d.py:2501)"),
+    ("[worker0]:    f (a.py:1)", None, "   f (a.py:1)"),
+    ("    f (a.py:1)", None, "    f (a.py:1)"),
+    ("12:00:00 not a prefix", None, "12:00:00 not a prefix"),
+    ("RuntimeError: [1] is setting up NCCL communicator", None, "RuntimeError: [1] is setting up NCCL communicator"),
+    ("12:00:00 [E ProcessGroupNCCL.cpp:1] x", None, "12:00:00 [E ProcessGroupNCCL.cpp:1] x"),
+    ("[rank1]:[titan] 2026-05-07 04:08:47,135 - root - INFO - x", 1,
+     "[titan] 2026-05-07 04:08:47,135 - root - INFO - x"),
+])
+def test_launcher_line_prefixes_are_stripped_and_name_the_rank(line, rank, rest):
+    assert strip_line_prefixes(line) == (rank, rest)
+
+
+def test_faulthandler_dump_with_doubled_rank_prefixes():
+    text = dedent('''
+        [rank3]:[rank3]:Current thread 0x00007f12c2a4e740 (most recent call first):
+        [rank3]:[rank3]:  File "/v/torch/distributed/distributed_c10d.py", line 4778 in scatter
+        [rank3]:[rank3]:  File "/v/torch/distributed/checkpoint/utils.py", line 162 in scatter_object
+        [rank3]:[rank3]:  File "/v/torch/distributed/checkpoint/state_dict_loader.py", line 183 in load
+    ''')
+    (proc,) = parse_stack_text(text)
+    assert proc.rank == 3
+    assert [f.function for f in proc.threads[0].frames] == ["scatter", "scatter_object", "load"]
+
+
+def test_gdb_threads_join_the_pyspy_process_of_the_same_os_thread():
+    text = dedent('''
+        Thread 1 (Thread 0x7f00 (LWP 4242) "python"):
+        #0  0x00007f1 in ?? () from /lib/x86_64-linux-gnu/libcuda.so.1
+        #1  0x00007f2 in cuStreamSynchronize () from /lib/x86_64-linux-gnu/libcuda.so.1
+        Process 4242: python train.py
+        Thread 4242 (active): "MainThread"
+            train_step (train.py:50)
+        Thread 4300 (idle): "Thread-1"
+            wait (threading.py:320)
+    ''')
+    (proc,) = parse_stack_text(text)
+    assert proc.pid == 4242
+    assert [t.thread_id for t in proc.threads] == ["4242", "4300", "4242"]
+    (finding,) = stack_findings(text)
+    assert (finding["category"], finding["evidence"]) == (
+        "cuda_sync", "cuStreamSynchronize (/lib/x86_64-linux-gnu/libcuda.so.1)")
+
+
+def test_gdb_process_sharing_no_thread_stays_its_own():
+    text = dedent('''
+        Thread 1 (Thread 0x7f00 (LWP 1) "python"):
+        #0  0x00007f1 in poll () from /lib/x86_64-linux-gnu/libc.so.6
+        Process 4242: python train.py
+        Thread 4242 (active): "MainThread"
+            train_step (train.py:50)
+    ''')
+    assert [p.pid for p in parse_stack_text(text)] == [None, 4242]
+
+
 def test_source_lines_and_fences_are_skipped():
     text = "# source: https://example.org/issue/1\n```\nThread 9 (idle): \"MainThread\"\n    f (a.py:1)\n```\n"
     (proc,) = parse_stack_text(text)
@@ -331,6 +396,8 @@ def test_source_lines_and_fences_are_skipped():
     "Traceback (most recent call last):", "Thread 0x (most recent call first):", "{", "[1, 2",
     "\x00\x01\x02", "    (Python) File", "\ufeffThread 1 (idle)", "a (b) (c)\n   x (y:z)",
     "Traceback for thread 1 (most recent call last):\n    (C) File \"?\", line x, in f",
+    "[rank1]:[rank1]:", "[rank99999999999999999999]: x", "1:2:3 [", "a: [rank1]", "[]:[]:[]:",
+    "Thread 1 (Thread 0x1 (LWP 7)):\n#0 ?? ()\nThread 7 (idle)\n", "Thread 1 (x):\nThread 1 (y):",
 ])
 def test_parse_stack_text_never_raises_on_junk(junk):
     assert isinstance(parse_stack_text(junk), list)

@@ -16,10 +16,19 @@ trainwatch/runbooks/, and one test in tests/test_catalog.py.
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 
+from trainwatch.diagnostics.frame_rules import (  # noqa: F401 - re-exported for the catalog's readers
+    BARRIER_RULES,
+    CHECKPOINT_RULES,
+    COLLECTIVE_RULES,
+    DATALOADER_RULES,
+    DIST_FILE,
+    USER_CODE,
+    FrameRule,
+    _rx,
+)
 from trainwatch.diagnostics.stacks import Frame, ProcessStack, ThreadStack, is_address
 
 CATEGORIES = (
@@ -36,28 +45,6 @@ CATEGORIES = (
 """Stack categories from DESIGN.md; every pattern belongs to exactly one."""
 
 
-@functools.lru_cache(maxsize=None)
-def _rx(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
-
-
-@dataclass(frozen=True, slots=True)
-class FrameRule:
-    """A frame that must appear somewhere in the stack (both regexes on the same frame)."""
-
-    function: str | None = None
-    """Regex searched in the frame's function name; None accepts any function."""
-    file: str | None = None
-    """Regex searched in the frame's file or library; None accepts any file."""
-
-    def matches(self, frame: Frame) -> bool:
-        """True if this frame satisfies both regexes."""
-        if self.function is not None and not _rx(self.function).search(frame.function):
-            return False
-        # Windows tracebacks use backslashes; the regexes are written with '/'.
-        return self.file is None or bool(_rx(self.file).search(frame.file.replace("\\", "/")))
-
-
 @dataclass(frozen=True, slots=True)
 class Signature:
     """One way a pattern shows in a thread: every rule must be met (all-of)."""
@@ -68,6 +55,12 @@ class Signature:
     """Regex the thread's exception line must match (tracebacks); None: not checked."""
     innermost_only: bool = False
     """Check the rules against the innermost named frame only."""
+    innermost_python: bool = False
+    """Check the rules against the innermost Python (.py) frame only: native frames inside it
+    (py-spy --native, gdb) are how that Python call waits, not a different place."""
+    innermost_raw: bool = False
+    """Check the rules against the innermost frame as printed, unnamed or not: a driver frame
+    gdb could not name (`?? () from libcuda.so.1`) still names its library."""
     busy: bool = False
     """The thread must not be known idle and must not end in an exception."""
 
@@ -112,56 +105,6 @@ def _both(first: tuple[FrameRule, ...], second: tuple[FrameRule, ...]) -> tuple[
     return tuple(Signature((a, b)) for a in first for b in second)
 
 
-# --- building blocks -------------------------------------------------------
-
-# Files of torch.distributed and the frameworks that wrap it; collective_ops.py uses it too.
-DIST_FILE = r"(?:^|/)(?:torch/distributed/|deepspeed/comm/|megatron/|colossalai/)|_functional_collectives"
-# Names that are collectives wherever they appear.
-_STRONG_OP = (r"(?i)(?:^|[.:])_?(?:all_?reduce|all_?gather|reduce_?scatter|all_?to_?all)\w*(?:$|\()")
-# Names that are collectives only inside torch.distributed and friends (DataParallel has a `gather` too).
-_WEAK_OP = (r"(?:^|[.:])_?(?:broadcast\w*|reduce|gather\w*|scatter\w*|send|recv|isend|irecv|"
-            r"batch_isend_irecv)(?:$|\()")
-
-COLLECTIVE_RULES = (
-    FrameRule(function=_STRONG_OP),
-    FrameRule(function=_WEAK_OP, file=DIST_FILE),
-    FrameRule(function=r"(?:^|[.:])(?:_wait_for_work|wait_tensor|_wait_all|wait)$",
-              file=r"(?:^|/)torch/distributed/(?!elastic/)"),
-    FrameRule(function=r"^c10d::(?:\w+::)*\w*Work\w*::wait"),
-    # Native c10d frames, except the watchdog/heartbeat threads every NCCL process has.
-    FrameRule(function=r"^c10d::ProcessGroup\w*::(?!.*(?:[Ww]atchdog|[Hh]eartbeat|[Mm]onitor))"),
-    FrameRule(function=r"^gloo::"),
-    FrameRule(function=r"^nccl[A-Z]\w*"),
-)
-BARRIER_RULES = (
-    FrameRule(function=r"(?:^|[.:])_?(?:monitored_barrier|barrier)(?:$|\()"),
-)
-CHECKPOINT_RULES = (
-    FrameRule(file=r"(?:^|/)torch/distributed/checkpoint/"),
-    FrameRule(file=r"(?:^|/)dist_checkpointing/"),
-    FrameRule(file=r"(?:^|/)torch/serialization\.py$"),
-    FrameRule(function=r"(?i)(?:^|[._])(?:save|load)_(?:checkpoint|state_dict|sharded\w*|model|pretrained|state)$"),
-    FrameRule(function=r"(?i)(?:^|[._])(?:save|load)_?ckpt\w*$"),
-)
-DATALOADER_RULES = (
-    FrameRule(function=r"(?:^|[.])(?:__next__|_next_data|_get_data|_try_get_data)$",
-              file=r"(?:^|/)torch/utils/data/dataloader\.py$"),
-    FrameRule(function=r"(?:^|[.])fetch$", file=r"(?:^|/)torch/utils/data/_utils/fetch\.py$"),
-)
-_LIBRARIES = (
-    "torch", "deepspeed", "megatron", "transformers", "accelerate", "triton", "numpy", "apex",
-    "lightning", "pytorch_lightning", "nemo", "vllm", "sglang", "zmq", "tqdm", "ray", "threading",
-    "queue", "selectors", "socket", "subprocess", "asyncio", "concurrent", "multiprocessing", "ssl",
-    "http", "urllib", "logging", "json", "pickle", "copy", "importlib", "runpy", "contextlib",
-    "functools", "typing", "weakref", "time", "os", "posixpath", "_weakrefset", "codecs", "io",
-    "zipfile", "tempfile", "shutil", "signal", "traceback", "inspect", "enum", "abc", "collections",
-    "dataclasses", "re", "warnings", "gc", "filelock", "safetensors", "huggingface_hub",
-)
-# User code: a .py file that is not installed, not the standard library and not a known framework.
-USER_CODE = (r"^(?!<)(?!.*(?:site-packages|dist-packages|/lib/python\d))"
-             r"(?!(?:.*/)?(?:" + "|".join(_LIBRARIES) + r")(?:/|\.py$)).*\.py$")
-
-
 # --- the table ---------------------------------------------------------------
 
 PATTERNS: tuple[Pattern, ...] = (
@@ -177,6 +120,20 @@ PATTERNS: tuple[Pattern, ...] = (
         meaning="The rank is inside a garbage-collection pass (or a GC callback). A long, "
                 "unsynchronised GC on one rank leaves its peers waiting in the next collective.",
         runbook="gc-hang",
+    ),
+    Pattern(
+        id="cuda-synchronize",
+        category="cuda_sync",
+        title="Waiting in torch.cuda.synchronize()",
+        signatures=_any(
+            FrameRule(function=r"(?:^|[.:])synchronize$",
+                      file=r"(?:^|/)(?:torch/(?:cuda|accelerator|xpu)/|deepspeed/accelerator/)"),
+            innermost_python=True,
+        ),
+        meaning="The innermost Python call is a device synchronize: the rank waits for every kernel "
+                "it queued, whatever framework code (a gradient all-reduce, a timer) called it. If "
+                "a queued NCCL kernel waits for a peer, or the GPU is faulted, it never returns.",
+        runbook="cuda-sync",
     ),
     Pattern(
         id="moe-all-to-all",
@@ -284,17 +241,24 @@ PATTERNS: tuple[Pattern, ...] = (
         runbook="collective-wait",
     ),
     Pattern(
-        id="cuda-synchronize",
+        id="cuda-device-wait",
         category="cuda_sync",
-        title="Host waiting for the GPU (torch.cuda.synchronize, .item())",
-        signatures=_any(
-            FrameRule(function=r"(?:^|[.:])synchronize$", file=r"(?:^|/)torch/cuda/"),
-            FrameRule(function=r"^(?:cudaDeviceSynchronize|cudaStreamSynchronize|cudaEventSynchronize|"
-                               r"cuCtxSynchronize|cuStreamSynchronize|cuEventSynchronize)\b"),
-            FrameRule(function=r"_local_scalar_dense|c10::cuda::(?:device|stream)_synchronize"),
+        title="Host waiting for the GPU in the CUDA runtime or driver (a sync, .item(), a copy to the CPU)",
+        signatures=(
+            *_any(
+                FrameRule(function=r"(?:^|[.:])synchronize$", file=r"(?:^|/)torch/cuda/"),
+                FrameRule(function=r"^(?:cudaDeviceSynchronize|cudaStreamSynchronize|cudaEventSynchronize|"
+                                   r"cuCtxSynchronize|cuStreamSynchronize|cuEventSynchronize)\b"),
+                FrameRule(function=r"_local_scalar_dense|c10::cuda::(?:device|stream)_synchronize"),
+                # Device-to-host copies (.cpu(), .item(), .to("cpu")) block until the GPU gets there.
+                FrameRule(function=r"^(?:cudaMemcpy\w*|cuMemcpy\w*)\b|copy_kernel_cuda"),
+            ),
+            # A thread stopped inside the CUDA driver itself, even where gdb names no function.
+            *_any(FrameRule(file=r"(?:^|/)libcuda\.so"), innermost_raw=True),
         ),
-        meaning="The CPU waits for queued GPU work to finish. When that work is a NCCL kernel "
-                "waiting for a peer, or the GPU is faulted, the wait never ends.",
+        meaning="The CPU waits for queued GPU work to finish (a synchronize, or a copy of a result "
+                "to the CPU). When that work is a NCCL kernel waiting for a peer, or the GPU is "
+                "faulted, the wait never ends.",
         runbook="cuda-sync",
     ),
     Pattern(
@@ -390,9 +354,19 @@ def match_thread(thread: ThreadStack) -> PatternMatch | None:
     for pattern in PATTERNS:
         hits = [f for sig in pattern.signatures if (f := _satisfies(sig, thread, frames)) is not None]
         if hits:
-            # The innermost revealing frame is the best evidence of where the thread waits.
-            return PatternMatch(pattern, thread, min(hits, key=frames.index))
+            # The innermost revealing frame is the best evidence of where the thread waits;
+            # a named frame says more than an address in the same library.
+            return PatternMatch(pattern, thread, min(hits, key=lambda f: (is_address(f), thread.frames.index(f))))
     return None
+
+
+def _candidates(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """The frames a signature's rules are checked against."""
+    if sig.innermost_raw:
+        return thread.frames[:1]
+    if sig.innermost_python:
+        return next(((f,) for f in frames if f.file.endswith(".py")), ())
+    return frames[:1] if sig.innermost_only else frames
 
 
 def _satisfies(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) -> Frame | None:
@@ -400,7 +374,7 @@ def _satisfies(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) -
         return None
     if sig.busy and (thread.active is False or thread.exception):
         return None
-    candidates = frames[:1] if sig.innermost_only else frames
+    candidates = _candidates(sig, thread, frames)
     evidence = None
     for rule in sig.all_of:
         hit = next((f for f in candidates if rule.matches(f)), None)

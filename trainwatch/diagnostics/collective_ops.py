@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from trainwatch.diagnostics.catalog import DIST_FILE
+from trainwatch.diagnostics.frame_rules import DIST_FILE
 from trainwatch.diagnostics.stacks import Frame, ThreadStack
 
 _OP_TOKEN = re.compile(
@@ -28,12 +28,19 @@ _WEAK_BASES = frozenset({"broadcast", "reduce", "gather", "scatter", "isend", "i
 _DIST_FILE_RX = re.compile(DIST_FILE)
 
 
+# DDP's C++ reducer: its threads wait on the all-reduce of a gradient bucket (the
+# default comm hook, and the compressing ones, all-reduce) without naming it.
+_DDP_REDUCER = re.compile(r"^c10d::Reducer::")
+
+
 def collective_op(thread: ThreadStack) -> str | None:
     """Name of the collective the thread is in (`all_reduce`, `barrier`, `recv`, ...), innermost first."""
     for frame in thread.frames:
         op = _op_of(frame)
         if op is not None:
             return op
+    if any(_DDP_REDUCER.match(frame.function) for frame in thread.frames):
+        return "all_reduce"
     return None
 
 

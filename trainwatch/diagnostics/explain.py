@@ -16,7 +16,7 @@ from typing import Callable
 
 from trainwatch.diagnostics.findings import FINDING_KEYS
 from trainwatch.diagnostics.kernel_log import xid_findings
-from trainwatch.diagnostics.logparse import parse_log, rank_from_name
+from trainwatch.diagnostics.logparse import ParsedLog, parse_log, rank_from_name
 from trainwatch.diagnostics.rank_comparison import collapse_ranks, mismatch_findings
 from trainwatch.diagnostics.stack_groups import stack_findings
 
@@ -89,7 +89,11 @@ def explain_inputs(inputs: list[tuple[str, bytes]]) -> dict:
             continue
         text = _SOURCE_LINE.sub("", text)
         file_rank = rank_from_name(name)
-        parsed = parse_log(text, source=name)
+        try:
+            parsed = parse_log(text, source=name)
+        except Exception as e:  # noqa: BLE001 - one reader's bug on one input must not cost the others
+            errors.append(f"{name}: log parser failed ({type(e).__name__}: {e})")
+            parsed = ParsedLog()
         points += parsed.points
         hardware = _parse_safely("kernel_log", xid_findings, name, text, errors)
         stacks = _parse_safely("stacks", stack_findings, name, text, errors)

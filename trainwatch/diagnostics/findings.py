@@ -25,7 +25,6 @@ ERROR_CATEGORIES: dict[str, tuple[str, str]] = {
     "collective_timeout": ("high", "collective-timeout"),
     "collective_mismatch": ("high", "collective-mismatch"),
     "heartbeat_timeout": ("high", "heartbeat-timeout"),
-    "watchdog_stuck": ("high", "watchdog-stuck"),
     "nccl_error": ("high", "nccl-error"),
     "cuda_error": ("medium", "cuda-error"),
     "illegal_memory_access": ("medium", "illegal-memory-access"),

@@ -58,6 +58,9 @@ class XidEvent:
     """True for NVSwitch SXid events, whose numbers are not Xid numbers."""
     recovery_action: str | None = None
     """Recovery the driver asked for (e.g. 'GPU Reset Required'), as printed."""
+    caused_by: int | None = None
+    """The Xid the driver says this one follows from ('... caused by previous Xid 149');
+    the event's severity and action are then that Xid's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,9 @@ class BurstSummary:
     """Event with the highest severity; ties go to the earliest."""
     events: tuple[XidEvent, ...]
     """All events, in log order."""
+    root_cause_xid: int | None = None
+    """Xid number of the root cause: root_cause's, or else the Xid the earliest
+    follow-on names as its cause (its own line may be out of the excerpt)."""
 
 
 # --- line prefixes -----------------------------------------------------------
@@ -92,14 +98,14 @@ _PREFIXES: tuple[re.Pattern[str], ...] = (
     # newer kernels tag the printing thread/cpu: "[ T1946] "
     re.compile(r"^\[\s*[TC]\d+\]\s*"),
     # /dev/kmsg: "prio,seq,usec,flags;message"
-    re.compile(r"^\d+,\d+,(?P<usec>\d+),[^;]*;"),
+    re.compile(r"^\d+,\d+,(?P<usec>\d{1,20}),[^;]*;"),
     # journalctl -k --no-hostname -o cat style leftovers
     re.compile(r"^kernel:\s*"),
 )
 
-_XID_RE = re.compile(r"\bXid\s*\((?P<where>[^)]*)\):\s*(?P<code>\d+)(?P<rest>.*)")
+_XID_RE = re.compile(r"\bXid\s*\((?P<where>[^)]*)\):\s*(?P<code>\d{1,9})(?!\d)(?P<rest>.*)")
 # "SXid" has no word boundary before its "X", so _XID_RE never matches it.
-_SXID_RE = re.compile(r"\bSXid\s*\((?P<where>[^)]*)\):\s*(?P<code>\d+)(?P<rest>.*)")
+_SXID_RE = re.compile(r"\bSXid\s*\((?P<where>[^)]*)\):\s*(?P<code>\d{1,9})(?!\d)(?P<rest>.*)")
 _PCI_RE = re.compile(
     r"(?<![0-9A-Fa-f])([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\b"
 )
@@ -110,6 +116,10 @@ _GSP_TIMEOUT_RE = re.compile(
     r"|\bGSP Timeout\b",
     re.IGNORECASE,
 )
+# Follow-on Xids (45, 43, ...) name the fault they clean up after: "... Ch 00000001 caused
+# by previous Xid 149", "(caused by previous Xid 79)".
+_CAUSED_BY_RE = re.compile(
+    r"\bcaused\s+by\s+(?:the\s+|a\s+)?(?:previous\s+|prior\s+|earlier\s+)?Xid\s*[:#]?\s*(\d{1,5})\b", re.IGNORECASE)
 _PID_RE = re.compile(r"\bpid=([^,;\s]*)")
 _NAME_RE = re.compile(r"\bname=([^,;]*)")
 # Xid 154 prints "... changed from 0x0 (None) to 0x2 (Node Reboot Required)";
@@ -238,9 +248,13 @@ def _records(text: str) -> Iterator[tuple[int, str]]:
 
 def _event(code: int, *, pci: str | None, pid: int | None, process: str | None,
            record: str, line_no: int, timestamp: str | None,
-           is_sxid: bool = False) -> XidEvent:
+           is_sxid: bool = False, caused_by: int | None = None) -> XidEvent:
     info = sxid_info(code, record) if is_sxid else lookup(code)
     severity, action = info.severity, info.action
+    cause = lookup(caused_by) if caused_by is not None else None
+    if cause is not None and severity_rank(cause.severity) >= severity_rank(severity):
+        # A follow-on is as bad as the fault it follows, and needs what that fault needs.
+        severity, action = cause.severity, cause.action
     recovery = _recovery_action(record)
     if recovery is not None:
         # The driver's own recovery request beats the table's generic advice.
@@ -250,7 +264,7 @@ def _event(code: int, *, pci: str | None, pid: int | None, process: str | None,
         if severity_rank(implied_severity) > severity_rank(severity):
             severity = implied_severity
     return XidEvent(code, pci, pid, process, record.strip(), severity, action,
-                    line_no, timestamp, is_sxid, recovery)
+                    line_no, timestamp, is_sxid, recovery, caused_by)
 
 
 def _parse_record(line_no: int, record: str) -> tuple[XidEvent, bool] | None:
@@ -269,10 +283,13 @@ def _parse_record(line_no: int, record: str) -> tuple[XidEvent, bool] | None:
     if xid is not None:
         rest = xid.group("rest")
         pid_text = _field(_PID_RE, rest)
-        pid = int(pid_text) if pid_text is not None and pid_text.isdigit() else None
-        return _event(int(xid.group("code")), pci=normalize_pci(xid.group("where")),
+        pid = int(pid_text) if pid_text is not None and pid_text.isdigit() and len(pid_text) <= 12 else None
+        cause = _CAUSED_BY_RE.search(rest)
+        code = int(xid.group("code"))
+        caused_by = int(cause.group(1)) if cause is not None and int(cause.group(1)) != code else None
+        return _event(code, pci=normalize_pci(xid.group("where")),
                       pid=pid, process=_field(_NAME_RE, rest), record=record,
-                      line_no=line_no, timestamp=timestamp), False
+                      line_no=line_no, timestamp=timestamp, caused_by=caused_by), False
     if _FALLEN_RE.search(body):
         return _event(GPU_LOST_XID, pci=normalize_pci(body), pid=None, process=None,
                       record=record, line_no=line_no, timestamp=timestamp), True
@@ -331,7 +348,8 @@ def summarize(events: Sequence[XidEvent]) -> BurstSummary:
     for event in events:
         if worst is None or severity_rank(event.severity) > severity_rank(worst.severity):
             worst = event
-    return BurstSummary(root, worst, tuple(events))
+    root_xid = root.code if root is not None else next((e.caused_by for e in events if e.caused_by is not None), None)
+    return BurstSummary(root, worst, tuple(events), root_xid)
 
 
 def xid_findings(text: str) -> list[dict]:
@@ -350,6 +368,8 @@ def xid_findings(text: str) -> list[dict]:
             if severity_rank(event.severity) > severity_rank(finding["severity"]):
                 finding["severity"] = event.severity
                 finding["action"] = event.action
+            if finding["caused_by_xid"] is None:
+                finding["caused_by_xid"] = event.caused_by
             continue
         info = sxid_info(event.code, event.text) if event.is_sxid else lookup(event.code)
         ecc = not event.is_sxid and event.code in ECC_CODES
@@ -370,6 +390,7 @@ def xid_findings(text: str) -> list[dict]:
             "meaning": info.meaning,
             "sxid": event.code if event.is_sxid else None,
             "recovery_action": event.recovery_action,
+            "caused_by_xid": event.caused_by,
             "count": 1,
         }
         by_key[key] = finding

@@ -17,6 +17,8 @@ import signal as _signal
 from dataclasses import dataclass
 from typing import Callable
 
+from trainwatch.diagnostics.desync_reports import FINGERPRINT_MISMATCH, fingerprint_facts
+
 # NCCL's one-line descriptions (ncclGetErrorString) -> the ncclResult_t name.
 NCCL_DESCRIPTIONS = {
     "unhandled system error": "ncclSystemError",
@@ -77,6 +79,8 @@ class LineRule:
     """"finding"; "support" (only adds facts to a finding); "hint" (dropped beside a specific CUDA finding)."""
     family: str = ""
     """Rules of one family are exclusive on a line: the first listed wins."""
+    runbook: str | None = None
+    """Runbook for this message when it is more specific than its category's; None: the category's."""
 
 
 def _kv(body: str) -> dict[str, str]:
@@ -85,8 +89,12 @@ def _kv(body: str) -> dict[str, str]:
 
 
 def _int(value: str | None) -> int | None:
-    """int() that passes None through."""
-    return None if value is None else int(value)
+    """int() that passes None, and anything that is not a number (a wrapped line
+    glued "NumelIn=" to the next line's first word), through as None."""
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
 
 
 def _work(m: re.Match[str]) -> dict:
@@ -100,10 +108,9 @@ def _work(m: re.Match[str]) -> dict:
     }
     # NumelIn/NumelOut exist since torch 2.2; a mismatch between ranks is a
     # classic desync sign, so keep them when present.
-    if "NumelIn" in kv:
-        facts["numel_in"] = int(kv["NumelIn"])
-    if "NumelOut" in kv:
-        facts["numel_out"] = int(kv["NumelOut"])
+    for key, fact in (("NumelIn", "numel_in"), ("NumelOut", "numel_out")):
+        if _int(kv.get(key)) is not None:
+            facts[fact] = _int(kv[key])
     return facts
 
 
@@ -138,9 +145,18 @@ def _dump_signal(m: re.Match[str]) -> dict:
     return facts
 
 
+_PG_NAME = re.compile(r"PG\s*GUID\s*\d+\s*\((?P<name>[^)\]]+)\)")
+
+
 def _stuck(m: re.Match[str]) -> dict:
-    """The heartbeat timeout the watchdog exceeded, in ms."""
-    return {"timeout_ms": int(m.group("secs")) * 1000}
+    """The heartbeat monitor's verdict on a stuck watchdog: seconds without progress
+    (the heartbeat timeout it exceeded) and the process group's name when printed."""
+    secs = int(m.group("secs"))
+    facts: dict = {"stuck_s": secs, "timeout_ms": secs * 1000}
+    name = _PG_NAME.search(m.string, 0, m.start())
+    if name:
+        facts["pg_name"] = name.group("name").strip()
+    return facts
 
 
 def _nccl_line(m: re.Match[str]) -> dict:
@@ -176,8 +192,8 @@ def _cuda_message(m: re.Match[str]) -> dict:
 
 def to_bytes(size: str) -> int | None:
     """'2.00 GiB' -> 2147483648; None when the unit is unknown."""
-    m = re.fullmatch(r"([\d.]+)\s*([A-Za-z]+)", size.strip())
-    if not m or m.group(2).lower() not in _UNITS:
+    m = re.fullmatch(r"(\d{0,30}(?:\.\d{0,30})?)\s*([A-Za-z]+)", size.strip())
+    if not m or not m.group(1).strip(".") or m.group(2).lower() not in _UNITS:
         return None
     return round(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
@@ -303,8 +319,13 @@ RULES: tuple[LineRule, ...] = (
     LineRule("timeout-signal", "received", "heartbeat_timeout", re.compile(
         r"Received\s*a\s*(?:" + _words("global timeout from another rank") + "|"
         + _words("timeout signal from this local rank") + ")"), _nothing),
-    LineRule("watchdog-stuck", "stuck", "watchdog_stuck", re.compile(
-        r"(?i)(?:ProcessGroupNCCL'\s*s\s*)?watchdog\s*got\s*stuck\s*for\s*(?P<secs>\d+)\s*seconds"), _stuck),
+    # The heartbeat monitor's own time-out when the watchdog thread made no progress
+    # (torch >= 2.4 prints it instead of "Heartbeat monitor timed out!").
+    LineRule("watchdog-stuck", "stuck", "heartbeat_timeout", re.compile(
+        r"(?i)(?:ProcessGroupNCCL'\s*s\s*)?watchdog\s*got\s*stuck\s*for\s*(?P<secs>\d+)\s*seconds"), _stuck,
+        runbook="watchdog-stuck"),
+    # -- desynchronised ranks ----------------------------------------------------------
+    LineRule("fingerprint-mismatch", "mismatch", "collective_mismatch", FINGERPRINT_MISMATCH, fingerprint_facts),
     # -- NCCL errors ---------------------------------------------------------------
     LineRule("nccl-async-error", "async", "nccl_error", re.compile(
         r"Collective\s*" + _WORK + r"\s*" + _words("raised the following async exception:")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from trainwatch.diagnostics.desync_reports import desync_reports
 from trainwatch.diagnostics.findings import NON_FACT_KEYS, error_finding, in_contract_order
 from trainwatch.diagnostics.log_rules import RULES, LineRule, may_hold_message, signal_name
 from trainwatch.diagnostics.rank_comparison import collapse_ranks, mismatch_findings
@@ -23,23 +24,24 @@ from trainwatch.diagnostics.rank_comparison import collapse_ranks, mismatch_find
 # Rank attribution, strongest first. torch's "[rank3]:" prefix is the global
 # rank; "[Rank 3]" is the process-group rank, equal to the global rank for the
 # default group, which is what "[PG 0 ...]" / "(default_pg)" say.
-_RANK_PREFIX = re.compile(r"\[rank(\d+)\]")
-_RANK_KV = re.compile(r"\brank=(\d+)\b")
-_RANK_TAG = re.compile(r"\[(?P<pg>PG[^\]]*?\s)?Rank\s*(?P<rank>\d+)\]")
+_RANK_PREFIX = re.compile(r"\[rank(\d{1,9})\]")
+_RANK_KV = re.compile(r"\brank=(\d{1,9})\b")
+_RANK_TAG = re.compile(r"\[(?P<pg>PG[^\]]*?\s)?Rank\s*(?P<rank>\d{1,9})\]")
 _DEFAULT_PG = re.compile(r"^PG\s*(?:ID\s*)?0\b|default_pg")
 _PG = re.compile(r"\[PG\s*(?:ID\s*)?(?P<id>\d+)(?:\s*PG\s*GUID\s*(?P<guid>\d+))?")
-_NAME_RANK = re.compile(r"(?i)(?<![a-z])rank[-_]?(\d+)(?!\d)")
+_NAME_RANK = re.compile(r"(?i)(?<![a-z])rank[-_]?(\d{1,9})(?!\d)")
 _SOURCE_LINE = re.compile(r"^\s*# source:")
 _LAST_ERROR = re.compile(r"Last error:\s*(?P<msg>.*)$")
 
 # torchelastic's ChildFailedError summary, one "key : value" per line.
-_FAIL_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)")
-_FAIL_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<exit>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)")
+_FAIL_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d{1,9})\s*\(local_rank:\s*(?P<local>\d{1,9})\)")
+_FAIL_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<exit>-?\d{1,12})\s*\(pid:\s*(?P<pid>\d{1,12})\)")
 _FAIL_HOST = re.compile(r"^\s*host\s*:\s*(?P<host>\S+)")
 _FAIL_FILE = re.compile(r"^\s*error_file\s*:\s*(?P<file>\S.*?)\s*$")
 _FAIL_TRACE = re.compile(r"^\s*traceback\s*:\s*Signal\s*(?P<num>\d+)\s*\((?P<name>SIG\w+)\)")
 _FAIL_HEADER = re.compile(r"^\s*(?P<kind>Failures|Root Cause)\b")
 _FAIL_ENTRY = re.compile(r"^\s*\[\d+\]:\s*$")
+_FAIL_BORDER = re.compile(r"^\s*(?:={20,}|-{20,})\s*$")
 
 
 @dataclass(slots=True)
@@ -116,9 +118,19 @@ def _line_findings(lines: list[str]) -> list[dict]:
             m, evidence = hit
             if rule.family:
                 families.add(rule.family)
+            try:
+                facts = rule.read(m)
+            except (ValueError, OverflowError):
+                continue  # a number too long to be one: the line is not the message it resembles
             finding = error_finding(rule.category, evidence)
-            finding.update(rule.read(m))
-            finding["rank"] = line_rank(line)
+            if rule.runbook:
+                finding["runbook"] = rule.runbook
+            finding.update(facts)
+            if finding["ranks"]:
+                # The message names the ranks it is about; the rank that printed it is a detail.
+                finding["reported_by"] = line_rank(line)
+            else:
+                finding["rank"] = line_rank(line)
             pg = line_pg(line)
             if pg is not None:
                 finding["pg"] = pg
@@ -153,20 +165,26 @@ def _last_error(lines: list[str], i: int) -> list[dict]:
 
 
 def _child_failures(lines: list[str]) -> list[dict]:
-    """One child_failed finding per entry of a ChildFailedError summary."""
+    """One child_failed finding per entry of a ChildFailedError summary.
+
+    Each entry remembers the lines of its embedded traceback (`_block`), so a
+    finding read from them can be named as the failure's cause (`_name_causes`).
+    """
     found: list[dict] = []
     current: dict | None = None
     root_cause = False
     host = None
-    for line in lines:
+    for i, line in enumerate(lines):
         header = _FAIL_HEADER.match(line)
-        if header:
-            root_cause = header.group("kind") == "Root Cause"
+        if header or _FAIL_BORDER.match(line):
+            root_cause = bool(header) and header.group("kind") == "Root Cause"
             current, host = None, None
             continue
         if _FAIL_ENTRY.match(line):
             current, host = None, None
             continue
+        if current is not None:
+            current["_block"].append(i)
         m = _FAIL_HOST.match(line)
         if m:
             host = m.group("host")
@@ -175,7 +193,7 @@ def _child_failures(lines: list[str]) -> list[dict]:
         if m:
             current = error_finding("child_failed", line.strip())
             current.update(rank=int(m.group("rank")), local_rank=int(m.group("local")),
-                           root_cause=root_cause, _role="finding")
+                           root_cause=root_cause, _role="finding", _block=[])
             if host:
                 current["host"] = host
             found.append(current)
@@ -280,16 +298,29 @@ def _points(raw: list[dict], events: list[dict]) -> list[dict]:
     return [p for p in points if p["rank"] is not None]
 
 
+def _name_causes(events: list[dict], lines: list[str]) -> list[dict]:
+    """A child failure whose embedded traceback carries another known error (a
+    collective mismatch, an OOM) failed because of it: it gets `cause` (that
+    error's category) and goes after every other finding, as the secondary one."""
+    for child in (f for f in events if f["category"] == "child_failed"):
+        block = [lines[i] for i in child.pop("_block", None) or ()]
+        causes = [f["category"] for f in _line_findings(block) + desync_reports(block, line_rank)
+                  if f["category"] != "child_failed" and f["_role"] != "hint"]
+        if causes:
+            child["cause"] = causes[0]
+    return [f for f in events if "cause" not in f] + [f for f in events if "cause" in f]
+
+
 def parse_log(text: str, source: str | None = None) -> ParsedLog:
     """Error findings and progress points of one text; `source` is its file name."""
     lines = ["" if _SOURCE_LINE.match(line) else line.rstrip("\r") for line in text.splitlines()]
     file_rank = rank_from_name(source)
-    raw = _line_findings(lines) + _child_failures(lines)
+    raw = _line_findings(lines) + desync_reports(lines, line_rank) + _child_failures(lines)
     if file_rank is not None:
         for finding in raw:
-            if finding["rank"] is None:
+            if finding["rank"] is None and not finding["ranks"]:
                 finding["rank"] = file_rank
-    events = _drop_hints(merge_events(raw))
+    events = _name_causes(_drop_hints(merge_events(raw)), lines)
     points = _points(raw, events)
     return ParsedLog(findings=[in_contract_order(f) for f in collapse_ranks(events)], points=points)
 

@@ -14,7 +14,8 @@ from trainwatch.diagnostics.findings import NON_FACT_KEYS, error_finding, in_con
 
 # Facts one rank reports about itself. Ranks that agree on everything else
 # are one finding; these stay only where every rank printed the same value.
-_DETAIL = {"last_enqueued", "last_completed", "pg", "pid", "host", "local_rank", "pending_work", "last_error"}
+_DETAIL = {"last_enqueued", "last_completed", "pg", "pg_name", "pid", "host", "local_rank", "pending_work",
+           "last_error", "reported_by"}
 
 
 def collapse_ranks(findings: list[dict]) -> list[dict]:

@@ -129,7 +129,8 @@ def group_stacks(stacks: Mapping[int, ProcessStack]) -> list[StackGroup]:
             pattern_id=match.pattern.id if match else None,
             thread=(thread.thread_name or thread.thread_id) if thread else None,
             evidence=evidence,
-            op=collective_op(thread) if thread else None,
+            # A rank blocked on the device is in no collective, whatever queued the kernels it waits for.
+            op=collective_op(thread) if thread and (match is None or match.pattern.category != "cuda_sync") else None,
             exception=thread.exception if thread else None,
         ))
     groups.sort(key=lambda g: (-len(g.ranks), g.ranks))

@@ -113,12 +113,18 @@ def _decode_json_values(text: str) -> list[Any] | None:
 
 _SOURCE_LINE = re.compile(r"^\s*# source:")
 _FENCE = re.compile(r"^\s*```")
-# torchrun/elastic prefix every line with "[rankN]:"; some launchers add a host first.
-_RANK_PREFIX = re.compile(r"^(?:[\w.-]+:\s+)?\[(?:rank|RANK)\s*(\d+)\]:\s?")
-_OTHER_PREFIX = re.compile(r"^\[[\w|.-]+\]:\s?")
+# Launchers prefix every line: torch's "[rankN]:" (twice when torchrun tees a rank's
+# output that already carries it, or after torchrun's own "[default3]:"), a host
+# ("node-7: "), a clock ("18:11:06.680 "). Prefixes stack; the first rank named wins.
+_LINE_PREFIX = re.compile(
+    r"\[(?:rank|RANK)\s*(?P<rank>\d{1,9})\]:\s?"
+    r"|\[[\w|.-]+\]:\s?"
+    # a host or a clock only in front of a bracketed prefix ("RuntimeError: [1] ..." keeps its name)
+    r"|(?:[\w.-]+:|(?:\d{4}-\d{2}-\d{2}[T ])?\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?)\s+(?=\[[\w|.-]+\]:)"
+)
 
-_PYSPY_PROCESS = re.compile(r"^Process (\d+): (.*?)\s*$")
-_PID_BANNER = re.compile(r"^=+\s*pid\s+(\d+)\s*=+\s*$", re.IGNORECASE)
+_PYSPY_PROCESS = re.compile(r"^Process (\d{1,12}): (.*?)\s*$")
+_PID_BANNER = re.compile(r"^=+\s*pid\s+(\d{1,12})\s*=+\s*$", re.IGNORECASE)
 _PYSPY_THREAD = re.compile(
     r'^Thread\s*(?P<id>0[xX][0-9a-fA-F]+|\d+)?\s*\((?P<state>[a-z+]+)\)(?::\s*"(?P<name>.*)")?\s*$'
 )
@@ -173,24 +179,48 @@ def parse_stack_text(text: str) -> list[ProcessStack]:
             return [p for value in values for p in parse_pyspy_json(value)]
     processes: list[ProcessStack] = []
     for rank, chunk in _split_by_rank(lines):
-        for proc in _scan(chunk):
+        for proc in _join_native_halves(_scan(chunk)):
             processes.append(proc if proc.rank is not None or rank is None else _with_rank(proc, rank))
     return processes
+
+
+def _join_native_halves(processes: list[ProcessStack]) -> list[ProcessStack]:
+    """Fold a pid-less process (a gdb `thread apply all bt`) into the process whose
+    threads it shares: gdb's `LWP 1234` and py-spy's `Thread 1234` are one OS thread."""
+    out = list(processes)
+    for proc in processes:
+        ids = {t.thread_id for t in proc.threads if t.thread_id}
+        if proc.pid is not None or not ids:
+            continue
+        home = next((p for p in out if p is not proc and ids & {t.thread_id for t in p.threads}), None)
+        if home is not None:
+            out.remove(proc)
+            merged = ProcessStack(home.pid, home.rank, home.command, home.threads + proc.threads, home.error)
+            out[out.index(home)] = merged
+    return out
 
 
 def _with_rank(proc: ProcessStack, rank: int) -> ProcessStack:
     return ProcessStack(proc.pid, rank, proc.command, proc.threads, proc.error)
 
 
+def strip_line_prefixes(line: str) -> tuple[int | None, str]:
+    """(the rank the line's launcher prefixes name, the line without them)."""
+    rank: int | None = None
+    pos = 0
+    while (m := _LINE_PREFIX.match(line, pos)) and m.end() > pos:
+        if rank is None and m.group("rank") is not None:
+            rank = int(m.group("rank"))
+        pos = m.end()
+    return rank, line[pos:]
+
+
 def _split_by_rank(lines: list[str]) -> list[tuple[int | None, list[str]]]:
     """Route `[rankN]:`-prefixed lines to one chunk per rank; other lines stay together."""
     chunks: dict[int | None, list[str]] = {}
     for line in lines:
-        m = _RANK_PREFIX.match(line)
-        if m:
-            chunks.setdefault(int(m.group(1)), []).append(line[m.end():])
-        else:
-            chunks.setdefault(None, []).append(_OTHER_PREFIX.sub("", line, count=1))
+        rank, rest = strip_line_prefixes(line)
+        chunks.setdefault(rank, []).append(rest)
     return list(chunks.items())
 
 
@@ -303,7 +333,7 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
             file, _, lineno = loc.rpartition(":")
             if not (file and lineno.isdigit()):
                 file, lineno = loc, ""
-            thread.frames.append(Frame(m.group("func"), file, int(lineno) if lineno else None))
+            thread.frames.append(Frame(m.group("func"), file, _line(lineno)))
         elif m := _FAULT_FRAME.match(line):
             current("fault").frames.append(_frame(m))
         elif _GC_MARK.match(line):
@@ -337,7 +367,8 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
 
 
 def _line(value: str | None) -> int | None:
-    return int(value) if value and value.isdigit() else None
+    # A line number is short; a run of digits longer than any file is no line number.
+    return int(value) if value and value.isdigit() and len(value) <= 12 else None
 
 
 def _frame(m: re.Match[str]) -> Frame:
