@@ -35,3 +35,16 @@ def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = Non
 def parent_alive(expected_parent: int) -> bool:
     """Our parent is still the process that started us (an orphan is re-parented)."""
     return os.getppid() == expected_parent
+
+
+def process_state(pid: int) -> str | None:
+    """'stopped' for a process in state T (SIGSTOP, job control), 'tracing-stop'
+    (t: a debugger), 'running', 'sleeping', 'disk-sleep' or 'zombie'; None when gone."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            raw = f.read()
+        code = raw[raw.rindex(b")") + 2: raw.rindex(b")") + 3]
+    except (OSError, ValueError):
+        return None
+    return {b"T": "stopped", b"t": "tracing-stop", b"R": "running", b"S": "sleeping", b"D": "disk-sleep",
+            b"Z": "zombie", b"X": "zombie"}.get(code, "other")

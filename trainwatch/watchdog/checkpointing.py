@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 
-from trainwatch import slots
+from trainwatch import procctl, slots
 
 _FINAL = (slots.CKPT_OK, slots.CKPT_FAILED)
 _PROC = os.path.isdir("/proc/self")
@@ -114,16 +114,11 @@ def _pid_cannot_answer(pid: int) -> str | None:
         except OSError:
             pass
         return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        code = raw[raw.rindex(b")") + 2: raw.rindex(b")") + 3]
-    except (OSError, ValueError):
-        return EXITED
-    if code in (b"Z", b"X"):
+    pstate = procctl.process_state(pid)
+    if pstate in (None, "zombie"):
         return EXITED
     # T only: a tracing stop (t) is py-spy sampling it for a moment.
-    return STOPPED if code == b"T" else None
+    return STOPPED if pstate == "stopped" else None
 
 
 def describe(ck: dict) -> str:

@@ -184,7 +184,7 @@ class Sidecar:
 
     def tick(self) -> list:
         table = self.read()
-        view = TickView(now=self.clock(), table=table, nodes=self.last_nodes, proc_state=process_state,
+        view = TickView(now=self.clock(), table=table, nodes=self.last_nodes, proc_state=procctl.process_state,
                         exits=self.read_exits())
         new = list(self.engine.tick(view))
         for source in self._hardware:
@@ -311,17 +311,6 @@ def _step_of(record: dict, table) -> int | None:
     return int(rows["step"].min()) if len(rows) else None
 
 
-def process_state(pid: int) -> str | None:
-    """'stopped' for a process in state T (SIGSTOP, job control), 'tracing-stop'
-    (t: a debugger), 'running', 'sleeping', 'disk-sleep' or 'zombie'; None when gone."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            raw = f.read()
-        code = raw[raw.rindex(b")") + 2: raw.rindex(b")") + 3]
-    except (OSError, ValueError):
-        return None
-    return {b"T": "stopped", b"t": "tracing-stop", b"R": "running", b"S": "sleeping", b"D": "disk-sleep",
-            b"Z": "zombie"}.get(code, "other")
 
 
 def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:
