@@ -68,6 +68,15 @@ def test_a_forked_worker_is_the_process_a_fresh_interpreter_would_be(zygote, tmp
     assert (tmp_path / "0.err").read_text() == "to stderr\n"
 
 
+def test_no_fork_from_a_zygote_that_initialised_cuda(zygote, tmp_path):
+    """A preload that initialised CUDA makes forked workers unable to use the GPU:
+    the launcher then starts them cold (the zygote says so in its ready message)."""
+    assert zygote.ready["cuda_initialized"] is False
+    zygote.ready = {**zygote.ready, "cuda_initialized": True}
+    with pytest.raises(warmstart.ZygoteUnavailable, match="CUDA"):
+        zygote.fork([str(tmp_path / "w.py")], dict(os.environ), None, None)
+
+
 def test_signals_reach_the_worker_and_its_code_says_so(zygote, tmp_path):
     proc = _fork(zygote, tmp_path, "0", "sleep")
     wait_for(lambda: (tmp_path / "0.json").exists(), 60, what="worker up")

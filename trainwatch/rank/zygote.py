@@ -58,10 +58,23 @@ def _exit_code(status: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+def cuda_initialized() -> bool:
+    """True when torch initialised CUDA in this process: a forked child could not
+    use it ("Cannot re-initialize CUDA in forked subprocess"), so no fork then.
+    (The launcher starts the zygote with PYTORCH_NVML_BASED_CUDA_CHECK=1, so a
+    preloaded package asking `torch.cuda.is_available()` asks NVML, not CUDA.)"""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a torch without it: nothing was initialised through it
+        return False
+
+
 def serve(sock: socket.socket, preload: list[str]) -> None:
     t0 = time.monotonic()
     preloaded = _preload(preload)
-    _send(sock, {"op": "ready", "pid": os.getpid(), "preloaded": preloaded, "import_s": round(time.monotonic() - t0, 3)})
+    _send(sock, {"op": "ready", "pid": os.getpid(), "preloaded": preloaded, "import_s": round(time.monotonic() - t0, 3),
+                 "cuda_initialized": cuda_initialized()})
     # SIGCHLD wakes the loop through a pipe: exits are reported as they happen.
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

@@ -38,6 +38,9 @@ ALWAYS = ("torch", "torch.distributed", "torch.nn.parallel", "torch.utils.data",
 """Imported by the zygote for every job: what every worker imports anyway. torch._dynamo
 (and sympy under it) is what DistributedDataParallel's and FSDP's constructors import
 on first use: 1.3 s of every restart on this machine's CPUs."""
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+"""Set in the zygote only: `torch.cuda.is_available()` asks NVML instead of
+initialising CUDA, which would make every forked worker unable to use the GPU."""
 READY_TIMEOUT_S = 120.0
 FORK_TIMEOUT_S = 10.0
 
@@ -115,7 +118,7 @@ class Zygote:
             [sys.executable, "-u", "-m", "trainwatch.rank.zygote", "--control-fd", str(theirs.fileno()),
              "--parent", str(os.getpid()), "--preload", ",".join(self.preload), "--", *self.entry],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, **({env.JOB: self.job} if self.job else {})},
+            env={**os.environ, **({env.JOB: self.job} if self.job else {}), NVML_CHECK: "1"},
         )
         theirs.close()
         threading.Thread(target=self._read, name="trainwatch-zygote", daemon=True).start()
@@ -161,6 +164,9 @@ class Zygote:
     def fork(self, args: list[str], environ: dict[str, str], stdout: str | None, stderr: str | None) -> int:
         if not self.alive() or self.wait_ready(READY_TIMEOUT_S) is None:
             raise ZygoteUnavailable("the warm-start process is not running")
+        if self.ready.get("cuda_initialized"):  # type: ignore[union-attr]
+            raise ZygoteUnavailable("CUDA was initialised while preloading the entry's imports; "
+                                    "forked workers could not use the GPU")
         with self._cond:
             self._next_id += 1
             rid = self._next_id
