@@ -448,8 +448,10 @@ def test_panels_show_the_injected_faults(finished_run):
     assert peak_by('max(trainwatch_restarts_total{job=~"$job"})', "") == {"": 1.0}
     xids = peak_by('trainwatch_gpu_xid_code_errors_total{job=~"$job"}', "xid")
     assert xids == {"13": 1.0}
-    # increase() extrapolates to the window's edges: about 1, not exactly
-    assert round(peak_by('sum(increase(trainwatch_gpu_xid_errors_total{job=~"$job"}[10m]))', "")[""]) == 1
+    # increase() extrapolates to the window's edges: about 1, not exactly. With few
+    # samples after the counter moved (a short run) the factor nears 2; one event
+    # (the per-code peak above) never reads as 3.
+    assert 0.9 <= peak_by('sum(increase(trainwatch_gpu_xid_errors_total{job=~"$job"}[10m]))', "")[""] < 2.5
     # The annotation markers land on the hang's restart.
     marks = promql(url, substitute('sum by (job, node) (changes(trainwatch_restarts_total{job=~"$job",node=~"$node"}[1m])) > 0'), **window)
     assert marks["result"]
