@@ -31,16 +31,25 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"TWSLOT01"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 HEADER = struct.Struct("<8sIII")  # magic, version, nslots, slot_size
 HEADER_SIZE = 64
-SLOT_SIZE = 768
+SLOT_SIZE = 1024
 MAX_GROUPS = 4
 """Process groups published per rank (the flight recorder's first groups by id)."""
 RING = 4
 """End-of-step collective counts kept per rank: ranks within this many steps of
 each other can be compared at equal step numbers."""
 OP_NAME_BYTES = 16
+ARRIVALS = 16
+"""Collective arrival times kept per rank (region B): the time each rank
+entered recent collectives of the default group, by sequence number, for the
+zero-code straggler detector (the rank that arrives last is the straggler)."""
+ARRIVAL_NONE, ARRIVAL_ENQUEUED, ARRIVAL_STARTED = 0, 1, 2
+"""arrival_source: no arrivals; the time the rank enqueued each collective
+(flight recorder `time_created_ns`: gloo, NCCL without timing); the time the
+collective started on the device (`time_discovered_started_ns`, NCCL with
+TORCH_NCCL_ENABLE_TIMING=1)."""
 
 PHASES = (
     "init",
@@ -86,6 +95,10 @@ GROUP_FIELDS = (
     ("completed", "q", 1),  # ... and of the last one that finished on this rank
     ("last_op", f"{OP_NAME_BYTES}s", 1),  # name of the last launched collective
 )
+ARRIVAL_FIELDS = (
+    ("seq", "q", 1),  # the collective's sequence number on the default group (0: empty)
+    ("t_ns", "q", 1),  # when this rank arrived at it (CLOCK_REALTIME ns: comparable across nodes)
+)
 RING_FIELDS = (
     ("step", "q", 1),  # the step this entry closes (0: empty)
     ("colls", "q", 1),  # Python collectives on world-spanning groups issued by the end of it
@@ -116,6 +129,19 @@ LAYOUT = {
         ("peak_grad", "d", 1),
         ("peak_grad_step", "q", 1),
         ("first_step", "q", 1),  # the first step this process completed (where it resumed + 1)
+        # Training-health signals of the last step (NaN: not known).
+        ("lr", "d", 1),  # learning rate of the optimizer's first param group
+        ("loss_scale", "d", 1),  # GradScaler's scale (fp16 mixed precision)
+        ("zero_grad_frac", "d", 1),  # fraction of gradient elements exactly zero
+        ("data_s", "d", 1),  # time in the data phase during the last step
+        ("backward_s", "d", 1),  # ... in backward (gradient computation and its overlapped communication)
+        ("optimizer_s", "d", 1),  # ... in the optimizer step
+        # The slowest step since the sidecar's last read (see read_ack) and where its time went.
+        ("peak_step_s", "d", 1),
+        ("peak_step_s_step", "q", 1),
+        ("peak_data_s", "d", 1),
+        ("peak_backward_s", "d", 1),
+        ("peak_optimizer_s", "d", 1),
         ("ring", RING_FIELDS, RING),  # end-of-step collective counts, entry = step % RING
     ),
     "P": (
@@ -131,6 +157,9 @@ LAYOUT = {
         ("cpu_s", "d", 1),  # process CPU time (user + system) at the heartbeat
         ("io_bytes", "q", 1),  # bytes the process read + wrote through syscalls so far (-1: unknown)
         ("groups", GROUP_FIELDS, MAX_GROUPS),
+        ("arrival_source", "i", 1),  # ARRIVAL_NONE / ARRIVAL_ENQUEUED / ARRIVAL_STARTED
+        ("narrivals", "i", 1),
+        ("arrivals", ARRIVAL_FIELDS, ARRIVALS),  # entries in no particular order; seq 0 is empty
     ),
     "C": (
         ("ckpt_request", "Q", 1),
@@ -232,13 +261,16 @@ def slot_dtype():
 # Writers' structs, derived from the layout.
 SEQ = struct.Struct("<Q")
 A_IDENT_OFF, A_IDENT = run("pid", "restart")
-A_DYN_OFF, A_DYN = run("step", "first_step")
+A_DYN_OFF, A_DYN = run("step", "peak_optimizer_s")
 A_PHASE_OFF, A_PHASE = run("phase", "py_collectives")
 RING_OFF = OFFSETS["ring"]
 RING_ENTRY = struct.Struct("<qqq")
 B_HEAD_OFF, B_HEAD = run("heartbeat_mono", "io_bytes")
 GROUP = struct.Struct("<ii" + "qq" + f"{OP_NAME_BYTES}s")
 GROUPS_OFF = OFFSETS["groups"]
+ARRIVALS_HEAD_OFF, ARRIVALS_HEAD = run("arrival_source", "narrivals")
+ARRIVAL_ENTRY = struct.Struct("<qq")
+ARRIVALS_OFF = OFFSETS["arrivals"]
 C_OFF, CONTROL = run("ckpt_request", "ckpt_step")
 ACK_OFF = OFFSETS["read_ack"]
 

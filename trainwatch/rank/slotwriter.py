@@ -13,6 +13,11 @@ import struct
 
 from trainwatch.slots import (
     A_DYN,
+    ARRIVAL_ENTRY,
+    ARRIVALS,
+    ARRIVALS_HEAD,
+    ARRIVALS_HEAD_OFF,
+    ARRIVALS_OFF,
     A_DYN_OFF,
     A_IDENT,
     A_IDENT_OFF,
@@ -34,6 +39,9 @@ from trainwatch.slots import (
     CollectiveGroup,
     Segment,
 )
+
+
+_NO_HEALTH = (math.nan,) * 7 + (0,) + (math.nan,) * 3
 
 
 class SlotWriter:
@@ -66,15 +74,18 @@ class SlotWriter:
 
     def write_fast(self, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono, phase, step_source,
                    phase_mono, py_collectives, peak_loss=math.nan, peak_loss_step=0, peak_grad=math.nan,
-                   peak_grad_step=0, first_step=0, colls=-1, seq=-1) -> None:
+                   peak_grad_step=0, first_step=0, colls=-1, seq=-1, health=_NO_HEALTH) -> None:
         """The per-step write: the dynamic fields and this step's ring entry
-        (exact end-of-step collective counts), under one seqlock bump."""
+        (exact end-of-step collective counts), under one seqlock bump.
+
+        health: (lr, loss_scale, zero_grad_frac, data_s, backward_s, optimizer_s,
+        peak_step_s, peak_step_s_step, peak_data_s, peak_backward_s, peak_optimizer_s)."""
         s = self._seq_a + 1
         q = self._q
         q[self._qa] = s
         self._dyn(self._buf, self._dyn_off, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono,
                   phase, step_source, phase_mono, py_collectives, peak_loss, peak_loss_step, peak_grad,
-                  peak_grad_step, first_step)
+                  peak_grad_step, first_step, *health)
         self._ring(self._buf, self._ring_off + (step % RING) * 24, step, colls, seq)
         self._seq_a = s + 1
         q[self._qa] = s + 1
@@ -90,7 +101,7 @@ class SlotWriter:
         q[self._qa] = s
         A_IDENT.pack_into(self._buf, self._base + A_IDENT_OFF, *self._ident)
         self._dyn(self._buf, self._dyn_off, step, loss, grad_norm, step_s, compute_s, progress_mono, start_mono,
-                  phase, step_source, phase_mono, py_collectives, math.nan, 0, math.nan, 0, 0)
+                  phase, step_source, phase_mono, py_collectives, math.nan, 0, math.nan, 0, 0, *_NO_HEALTH)
         self._ring(self._buf, self._ring_off + (step % RING) * 24, step, colls, seq)
         self._seq_a = s + 1
         q[self._qa] = s + 1
@@ -119,7 +130,11 @@ class SlotWriter:
         groups: list[CollectiveGroup] | tuple[CollectiveGroup, ...],
         cpu_s: float = math.nan,
         io_bytes: int = -1,
+        arrivals: tuple[int, list[tuple[int, int]]] | None = None,
     ) -> None:
+        """One sampler round under seqlock B. arrivals: (arrival_source, [(seq,
+        t_ns), ...]) of recent default-group collectives, at most ARRIVALS kept
+        (the last ones); None leaves the previous arrivals as they are."""
         base = self._base
         seq = self._seq_b + 1
         self._q[self._qb] = seq
@@ -136,6 +151,13 @@ class SlotWriter:
                 g.completed,
                 g.last_op.encode("ascii", "replace")[:OP_NAME_BYTES],
             )
+        if arrivals is not None:
+            source, entries = arrivals
+            entries = entries[-ARRIVALS:]
+            ARRIVALS_HEAD.pack_into(self._buf, base + ARRIVALS_HEAD_OFF, source, len(entries))
+            for i in range(ARRIVALS):
+                s_, t = entries[i] if i < len(entries) else (0, 0)
+                ARRIVAL_ENTRY.pack_into(self._buf, base + ARRIVALS_OFF + i * ARRIVAL_ENTRY.size, s_, t)
         self._seq_b = seq + 1
         self._q[self._qb] = seq + 1
 
