@@ -49,6 +49,14 @@ class RankRow:
     py_collectives: int
     batches: int
     groups: tuple[slots.CollectiveGroup, ...] = field(default_factory=tuple)
+    lr: float | None = None
+    """Learning rate of the optimizer's first param group at the last step."""
+    loss_scale: float | None = None
+    """GradScaler's loss scale (fp16 mixed precision) at the last step."""
+    zero_grad_frac: float | None = None
+    """Fraction of gradient elements exactly zero at the last step."""
+    phase_times: dict = field(default_factory=dict)
+    """Seconds of the last step spent in 'data', 'backward' and 'optimizer' (those known)."""
 
     @property
     def collectives(self) -> dict:
@@ -84,7 +92,15 @@ class RankRow:
             "collectives": self.collectives,
             "groups": [{"pg": g.pg, "enqueued": g.enqueued, "completed": g.completed, "last_op": g.last_op}
                        for g in self.groups],
+            "lr": self.lr,
+            "loss_scale": self.loss_scale,
+            "zero_grad_frac": self.zero_grad_frac,
+            "phase_times": dict(self.phase_times),
         }
+
+
+PHASE_TIMES = ("data", "backward", "optimizer")
+"""Phases whose time per step each rank publishes (slot fields `<phase>_s`)."""
 
 
 def _finite(x: Any, digits: int | None = None) -> float | None:
@@ -137,6 +153,10 @@ def decode(table, now: float, nodes: Sequence[str] | str = "") -> list[RankRow]:
                                           bytes(g["last_op"]).rstrip(b"\0").decode("ascii", "replace"))
                     for g in row["groups"][:ngroups]
                 ),
+                lr=_finite(row["lr"]),
+                loss_scale=_finite(row["loss_scale"]),
+                zero_grad_frac=_finite(row["zero_grad_frac"], 6),
+                phase_times={p: round(float(row[p + "_s"]), 6) for p in PHASE_TIMES if math.isfinite(row[p + "_s"])},
             )
         )
     rows.sort(key=lambda r: r.rank)
@@ -189,6 +209,10 @@ def from_json(d: Any) -> RankRow | None:
         heartbeat_age_s=_num(d, "heartbeat_age_s"), cpu_s=_num(d, "cpu_s"),
         py_collectives=_get(d, "py_collectives", int, 0), batches=_get(d, "batches", int, 0),
         groups=tuple(groups[: slots.MAX_GROUPS]),
+        lr=_num(d, "lr"), loss_scale=_num(d, "loss_scale"), zero_grad_frac=_num(d, "zero_grad_frac"),
+        phase_times={p: v for p in PHASE_TIMES
+                     if (v := _num(d.get("phase_times") if isinstance(d.get("phase_times"), dict) else {}, p))
+                     is not None},
     )
 
 
