@@ -1,6 +1,7 @@
 """Straggler benchmark: no false stragglers under CPU contention, real ones still found.
 
     python benchmarks/stragglers.py [--runs 10] [--ranks 4] [--model-size tiny] [--neighbour alternate]
+                                    [--workload trainer|zero-code] [--flight-recorder-off]
 
 Runs `--runs` healthy jobs of the integrated trainer (4 ranks, 200 steps)
 while another job runs beside them on the same machine: a second, healthy
@@ -15,6 +16,17 @@ straggler:delay=...`) beside both neighbours must be detected; detect_s runs
 from the moment the fault began (recorded by the faulting rank) to the
 incident (the sidecar's detection time, same clock).
 
+Which evidence the detector used: with the flight recorder on (trainwatch
+launch's default) ranks publish their arrival times at collectives and the
+detector judges by arrival order (incident evidence `"source":
+"collective_arrival"`); `--flight-recorder-off` runs every job with
+TORCH_FR_BUFFER_SIZE=0, so only compute time is left (`"source": "compute"`).
+`--workload zero-code` runs tests/scripts/plain_ddp.py, an unmodified DDP
+script (no trainwatch import: steps and phases come from the zero-code
+bootstrap), instead of the integrated trainer; its steps are short (~25 ms),
+so pass more of them (e.g. `--steps 2000`). Each control's incident source
+is in the output.
+
 Every run has its own TRAINWATCH_HOME and job name; after each one nothing of
 it may be left (common.reap: no process of its session, no slot segment);
 what was left is reaped and counted in `leftovers`.
@@ -24,7 +36,13 @@ DIR/<job>.npz; `--replay DIR` runs the straggler detector over such
 recordings offline and prints what it would report (no jobs are started);
 `--detector FILE` replays with another version of the detector module, e.g.
 `git show HEAD~1:trainwatch/watchdog/detectors/straggler.py > /tmp/old.py`,
-so two versions are compared on the same data.
+so two versions are compared on the same data; `--replay DIR --no-arrivals`
+replays with compute time only, and every replay says for how many ticks the
+arrival evidence judged the ranks.
+
+`--tick-ranks N` measures one straggler-detector round over N synthetic
+ranks (median ms), with and without arrivals published (every rank
+publishing new ones every round: the heaviest case), and exits.
 
 Progress goes to stderr; the LAST stdout line is one JSON object:
 {"healthy_runs": 10, "false_stragglers": 0, "true_straggler_detected": true, "detect_s": ...}
@@ -34,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -45,14 +64,20 @@ from pathlib import Path
 
 import numpy as np
 
-from common import events, faults_fired, job_json, launch, log, new_home, reap, wait_for
+from common import ROOT, events, faults_fired, job_json, launch, log, new_home, reap, wait_for
 
 TICK_S = 0.15  # the sidecar's default tick
 CULPRIT = 2
 LEFTOVERS: list[str] = []  # processes or segments a run left behind (reaped)
 
 
+WORKLOAD = "trainer"  # or "zero-code" (--workload)
+
+
 def trainer(steps: int, model: str) -> list[str]:
+    """The measured workload: the integrated trainer, or an unmodified DDP script."""
+    if WORKLOAD == "zero-code":
+        return [str(ROOT / "tests" / "scripts" / "plain_ddp.py"), "--steps", str(steps)]
     return ["-m", "trainwatch.trainer", "--model-size", model, "--max-steps", str(steps), "--log-interval", "100000"]
 
 
@@ -206,7 +231,7 @@ def healthy_runs(args) -> tuple[int, int, list]:
         detail.append({"run": i, "neighbour": kind, "rc": proc.returncode, "false_stragglers": len(found),
                        "neighbour_false_stragglers": nb_found, "wall_s": round(wall, 1)})
         for e in found:
-            log(f"  FALSE straggler: {e['summary']}")
+            log(f"  FALSE straggler ({e['evidence'].get('source')}): {e['summary']}")
         log(f"run {i + 1}/{args.runs} beside {kind}: rc={proc.returncode} false stragglers={len(found)} "
             f"(neighbour job: {nb_found}) {wall:.0f}s")
         if not args.keep and proc.returncode == 0:
@@ -232,11 +257,12 @@ def control_run(args) -> dict:
         if nb is not None:
             nb.stop()
     out = {"detected": bool(found), "culprit_ok": bool(found) and found[0]["culprit_ranks"] == [CULPRIT],
-           "detect_s": None, "neighbour": kind}
+           "detect_s": None, "neighbour": kind, "source": found[0]["evidence"].get("source") if found else None}
     if found and fired:
         out["detect_s"] = round(found[0]["detected_mono"] - fired[0]["mono"], 2)
         out["summary"] = found[0]["summary"][:200]
-    log(f"  detected={out['detected']} culprit_ok={out['culprit_ok']} detect_s={out['detect_s']}")
+    log(f"  detected={out['detected']} culprit_ok={out['culprit_ok']} detect_s={out['detect_s']} "
+        f"source={out['source']}")
     if not args.keep:
         shutil.rmtree(home, ignore_errors=True)
         if nb is not None and nb.home:
@@ -244,10 +270,10 @@ def control_run(args) -> dict:
     return out
 
 
-def replay(trace_dir: Path, module: str | None) -> None:
+def replay(trace_dir: Path, module: str | None, arrivals: bool = True) -> None:
     """The straggler detector over recorded slot tables, tick by tick."""
     from trainwatch import slots
-    from trainwatch.watchdog.detectors import StragglerDetector
+    from trainwatch.watchdog.detectors import StragglerConfig, StragglerDetector
     from trainwatch.watchdog.detectors.base import TickView
 
     if module:
@@ -260,19 +286,59 @@ def replay(trace_dir: Path, module: str | None) -> None:
         detector = mod.StragglerDetector
     else:
         detector = StragglerDetector
-    total = 0
+    total, judged_ticks, ticks = 0, 0, 0
     for path in sorted(trace_dir.glob("*.npz")):
         data = np.load(path)
-        det, seen = detector(), set()
+        det, seen = (detector() if arrivals else detector(StragglerConfig(arrivals=False))), set()
+        judged = 0
         for now, raw in zip(data["now"], data["table"]):
             for inc in det.check(TickView.from_table(float(now), raw.view(slots.slot_dtype()))):
                 key = tuple(inc.culprit_ranks)
                 if key not in seen:
                     seen.add(key)
-                    log(f"  {path.stem} t={now - data['now'][0]:.1f}s: {inc.summary}")
+                    log(f"  {path.stem} t={now - data['now'][0]:.1f}s ({inc.evidence.get('source')}): {inc.summary}")
+            arrival = getattr(det, "_arrival", None)
+            judged += bool(arrival is not None and arrival.active)
         total += bool(seen) and not path.stem.startswith("straggler")
-        log(f"{path.stem}: {'straggler ' + str(sorted(seen)) if seen else 'no straggler'}")
-    print(json.dumps({"traces": len(list(trace_dir.glob('*.npz'))), "healthy_with_straggler": total}))
+        ticks += len(data["now"])
+        judged_ticks += judged
+        log(f"{path.stem}: {'straggler ' + str(sorted(seen)) if seen else 'no straggler'} "
+            f"(arrivals judged {judged} of {len(data['now'])} ticks)")
+    print(json.dumps({"traces": len(list(trace_dir.glob('*.npz'))), "healthy_with_straggler": total,
+                      "ticks": ticks, "arrival_judged_ticks": judged_ticks}))
+
+
+def tick_cost(nranks: int, ticks: int = 50) -> dict:
+    """Median ms of one straggler-detector round over `nranks` synthetic ranks
+    that all finish a step every round, without and with arrivals published
+    (each rank its last 16 collectives, 3 of them new every round)."""
+    import statistics
+
+    from trainwatch import slots
+    from trainwatch.watchdog.detectors import StragglerDetector
+    from trainwatch.watchdog.engine import _SyntheticJob
+
+    def rounds(with_arrivals: bool) -> float:
+        job, det = _SyntheticJob(nranks), StragglerDetector()
+        rng = np.random.default_rng(1)
+        times = []
+        for k in range(60 + ticks):
+            view = job.advance()
+            if with_arrivals:
+                t = view.table
+                seq = 3 * t["step"][:, None] - np.arange(slots.ARRIVALS)[::-1][None, :]
+                t["arrival_source"] = slots.ARRIVAL_ENQUEUED
+                t["narrivals"] = slots.ARRIVALS
+                t["arrivals"]["seq"] = seq
+                t["arrivals"]["t_ns"] = (1.7e18 + seq * 0.033e9 + rng.normal(0, 2e6, seq.shape)).astype(np.int64)
+            start = time.perf_counter()
+            det.check(view)
+            if k >= 60:  # histories full
+                times.append((time.perf_counter() - start) * 1000.0)
+        return statistics.median(times)
+
+    return {"ranks": nranks, "straggler_tick_ms": round(rounds(False), 3),
+            "straggler_tick_ms_with_arrivals": round(rounds(True), 3)}
 
 
 def main() -> None:
@@ -291,16 +357,31 @@ def main() -> None:
     p.add_argument("--trace", help="record every run's slot tables into this directory")
     p.add_argument("--replay", help="run the detector over the recordings in this directory and exit")
     p.add_argument("--detector", help="with --replay: the straggler detector module file to replay")
+    p.add_argument("--no-arrivals", action="store_true", help="with --replay: compute time only")
+    p.add_argument("--workload", choices=("trainer", "zero-code"), default="trainer",
+                   help="the integrated trainer, or tests/scripts/plain_ddp.py run unmodified")
+    p.add_argument("--flight-recorder-off", action="store_true",
+                   help="run every job with TORCH_FR_BUFFER_SIZE=0 (no arrival times: compute time only)")
+    p.add_argument("--tick-ranks", type=int, help="measure one detector round over this many ranks and exit")
     p.add_argument("--keep", action="store_true", help="keep the runs' TRAINWATCH_HOME directories")
     args = p.parse_args()
     if args.replay:
-        replay(Path(args.replay), args.detector)
+        replay(Path(args.replay), args.detector, arrivals=not args.no_arrivals)
         return
+    if args.tick_ranks:
+        print(json.dumps(tick_cost(args.tick_ranks)))
+        return
+    global WORKLOAD
+    WORKLOAD = args.workload
+    if args.flight_recorder_off:
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "0"  # the launcher keeps a value it is given
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
     false_main, false_nb, detail = healthy_runs(args) if args.runs else (0, 0, [])
     control = None if args.no_control else control_run(args)
     print(json.dumps({
+        "workload": args.workload,
+        "flight_recorder": not args.flight_recorder_off,
         "healthy_runs": args.runs,
         "false_stragglers": false_main,
         "neighbour_false_stragglers": false_nb,

@@ -1,6 +1,8 @@
 """What the rank's background thread samples: collective sequence numbers per
-process group from PyTorch's flight recorder, the default group's sequence
-counter for the step path, and the process's I/O counter.
+process group from PyTorch's flight recorder, when this rank arrived at recent
+collectives of the default group (for the zero-code straggler detector), the
+default group's sequence counter for the step path, and the process's I/O
+counter.
 
 The flight recorder's API is private: every read is guarded by presence and
 shape and falls back to None (the sampler then publishes its own counts).
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 from trainwatch import env, slots
 
@@ -31,16 +33,21 @@ class FlightRecorderReader:
         """The groups' final state once the process group is destroyed: a
         round after `destroy_process_group` republishes it rather than
         falling back to the wrapper's counts, which miss DDP's own collectives."""
+        self._ring = ArrivalRing()
+        self.arrivals: tuple[int, list[tuple[int, int]]] | None = None
+        """What the last `sample()` found to publish in the slot's arrivals:
+        (arrival_source, [(seq, t_ns), ...]), or None (leave them as they are)."""
         if not os.environ.get(env.FR_BUFFER_SIZE):
             return
         try:
             from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
 
             self._fn = _dump_fr_trace_json
-        except Exception:
+        except Exception:  # noqa: BLE001 - a private API: any failure means "not available"
             self._fn = None
 
     def sample(self) -> list[slots.CollectiveGroup] | None:
+        self.arrivals = None
         if self._fn is None:
             return None
         try:
@@ -49,13 +56,17 @@ class FlightRecorderReader:
             if not dist.is_available() or not dist.is_initialized():
                 return self._last
             data = json.loads(self._fn(includeCollectives=True, onlyActive=False))
-        except Exception:
+            if not isinstance(data, dict) or not isinstance(data.get("pg_status") or {}, dict):
+                raise TypeError("a flight recorder dump of an unknown shape")
+        except Exception:  # noqa: BLE001 - a private API: any failure means "not available"
             self.available = False
             self._last = None
             return None
         status = data.get("pg_status") or {}
         last_ops: dict[int, str] = {}
-        for entry in data.get("entries") or ():
+        found: dict[int, tuple[int, int]] = {}
+        entries = data.get("entries") or ()
+        for entry in entries if isinstance(entries, list) else ():
             try:
                 local = int(entry.get("pg_id", 0))
                 name = (entry.get("process_group") or [""])[0]
@@ -63,8 +74,17 @@ class FlightRecorderReader:
                     self._names[local] = stable_group_id(str(name))
                 if not entry.get("is_p2p"):
                     last_ops[local] = str(entry.get("profiling_name", "")).split(":")[-1]
-            except (TypeError, ValueError, IndexError):
+                    if self._names.get(local, 0 if local == 0 else None) == 0:
+                        # Entries are in record order: a later one of the same seq (a
+                        # re-created group) replaces the earlier.
+                        found[int(entry["collective_seq_id"])] = (int(entry.get("time_created_ns") or 0),
+                                                                 int(entry.get("time_discovered_started_ns") or 0))
+            except (TypeError, ValueError, IndexError, KeyError, AttributeError):
                 continue
+        try:
+            self.arrivals = self._ring.update(found)
+        except Exception:  # noqa: BLE001 - never let the arrivals cost the round
+            self.arrivals = None
         groups = []
         for pg, st in status.items():
             try:
@@ -80,12 +100,61 @@ class FlightRecorderReader:
                         last_ops.get(local, ""),
                     )
                 )
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, AttributeError):
                 continue
         groups.sort(key=lambda g: g.pg)
         self.available = True
         self._last = groups
         return groups
+
+
+class ArrivalRing:
+    """The arrivals this rank publishes (slots.ARRIVALS entries, region B).
+
+    Arrival at a collective: when the collective started on the device
+    (`time_discovered_started_ns`, NCCL with TORCH_NCCL_ENABLE_TIMING=1) if any
+    entry has one, else when this rank enqueued it (`time_created_ns`); one
+    source at a time, entries without a time of that source are left out.
+
+    Ranks are sampled at different moments and a fast job runs far more
+    collectives per round than the ring holds, so each round publishes only
+    the new sequence numbers divisible by 2**k, k the smallest for which they
+    fit in half the ring: a deterministic subsample, the same on every rank
+    at the same rate, and ranks with different k still meet on the multiples
+    of the larger stride. The most recent ARRIVALS are kept."""
+
+    def __init__(self, size: int = slots.ARRIVALS):
+        self.size = size
+        self.source = slots.ARRIVAL_NONE
+        self.last = 0
+        """The highest sequence number considered so far."""
+        self.entries: list[tuple[int, int]] = []
+
+    def update(self, found: dict[int, tuple[int, int]]) -> tuple[int, list[tuple[int, int]]] | None:
+        """found: seq -> (created_ns, started_ns) of the default group's collectives
+        in this round's dump. Returns what to publish, None when there is nothing."""
+        timed = any(started > 0 for _created, started in found.values())
+        source = slots.ARRIVAL_STARTED if timed else slots.ARRIVAL_ENQUEUED
+        usable = {seq: (started if timed else created) for seq, (created, started) in found.items() if seq > 0}
+        usable = {seq: t for seq, t in usable.items() if t > 0}
+        if not usable:
+            return self.published()
+        top = max(usable)
+        if source != self.source or top < self.last:
+            # Times of another meaning, or a new group whose numbers start over.
+            self.source, self.last, self.entries = source, 0, []
+        if top > self.last:
+            stride = 1
+            while top // stride - self.last // stride > self.size // 2:
+                stride *= 2
+            new = [(seq, t) for seq, t in usable.items() if seq > self.last and seq % stride == 0]
+            self.last = top
+            if new:
+                self.entries = sorted(self.entries + new)[-self.size:]
+        return self.published()
+
+    def published(self) -> tuple[int, list[tuple[int, int]]] | None:
+        return (self.source, list(self.entries)) if self.entries else None
 
 
 def stable_group_id(name: str) -> int:
@@ -114,7 +183,7 @@ def default_group_seq() -> Callable[[], int] | None:
         fn = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group
         fn()
         return fn
-    except Exception:
+    except Exception:  # noqa: BLE001 - a private API: any failure means "not available"
         return None
 
 

@@ -1,4 +1,23 @@
-"""Stragglers: ranks whose own compute is persistently slower than their peers'.
+"""Stragglers: ranks that are persistently slower than their peers, so that
+every other rank waits for them.
+
+Two kinds of evidence, one detector and one incident kind:
+
+- collective arrival order (arrival.py): the rank that enters every
+  collective last, from the flight recorder's per-collective times that each
+  rank's sampler publishes. It needs nothing from the script (an unmodified
+  one, FSDP whose waits hide in forward, a slow GPU) and is preferred
+  whenever ranks publish arrivals (evidence `"source": "collective_arrival"`);
+- compute time, below (evidence `"source": "compute"`): used where ranks
+  publish no arrivals (the flight recorder off, TORCH_FR_BUFFER_SIZE=0, or
+  unavailable), and for ranks the arrivals could not judge. It always runs:
+  its per-rank slowdown ratio is the `trainwatch_straggler_slowdown_ratio`
+  gauge. Zero-code compute time is step time less the time in `backward`
+  (DDP's all-reduces overlap it), where a victim waits for the straggler.
+
+Both compare a rank with its peers at the same step or collective, scale the
+margin with the observed jitter and want the same persistence (`z`,
+`persist`, `persist_s`); a culprit is reported by one of them at a time.
 
 In synchronous training one slow rank makes every step slow, and every other
 rank's step time grows by the same amount (they wait in collectives). So step
@@ -52,11 +71,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainwatch.watchdog.detectors.arrival import ArrivalEvaluator
 from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, row_median
+from trainwatch.watchdog.detectors.peers import JITTER_SAMPLE as _JITTER_SAMPLE
+from trainwatch.watchdog.detectors.peers import MAD_TO_SIGMA as _MAD_TO_SIGMA
+from trainwatch.watchdog.detectors.peers import peer_median
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
-# 0.6745 makes the MAD a standard-deviation estimate for normal data.
-_MAD_TO_SIGMA = 0.6745
+__all__ = ["StepTable", "StragglerConfig", "StragglerDetector", "peer_median"]
+
 # The jitter's MAD is floored at this fraction of the peers' median compute:
 # identical compute times (MAD 0) would otherwise make any tiny difference
 # infinitely significant; 2% is about the jitter of a step timer on a quiet node.
@@ -74,17 +97,41 @@ class StragglerConfig:
     ratio: float = 1.5
     """Minimum slowdown: the rank's compute / its peers' median at the same step, median over the window (factor)."""
     z: float = 3.0
-    """Minimum median excess over the peers, in robust standard deviations of the step-to-step
-    jitter (the ranks' median MAD of their excess over the window) (sigmas): under CPU contention
-    the scheduler slows ranks by turns, the jitter grows and so does the margin."""
+    """Minimum median excess over the peers (compute time, or lateness at collectives), in robust
+    standard deviations of the jitter (the ranks' median MAD of their excess over the window)
+    (sigmas): under CPU contention the scheduler slows ranks by turns, the jitter grows and so
+    does the margin."""
     persist: int = 5
-    """Consecutive evaluations (one per new group step) a rank must be slow before it is reported."""
+    """Consecutive evaluations (one per new group step; for arrival order, one per newly compared
+    collective) a rank must be slow before it is reported."""
     persist_s: float = 2.0
     """Minimum wall-clock time the `persist` slow evaluations must span (s): on fast steps they
     take a fraction of a second, shorter than a scheduler's imbalance between ranks lasts."""
     min_excess_s: float = 0.05
     """Minimum absolute extra compute per step over the peers' median (s): on small,
     fast steps OS scheduling noise alone reaches 1.5x, and costs nothing."""
+    arrivals: bool = True
+    """Use collective arrival order (the flight recorder's per-collective times) where ranks publish
+    it, before compute time; off: compute time only (flag)."""
+    arrival_window: int = 10
+    """Recent collectives of the default group, each reached by at least two ranks, over which
+    each rank's arrival is compared with its peers' at the same collective (collectives)."""
+    arrival_min_collectives: int = 5
+    """Collectives a rank needs in that window, each with a peer's arrival, before it is judged (collectives)."""
+    arrival_min_lateness_s: float = 0.05
+    """Minimum median lateness: the rank's arrival minus its peers' median arrival at the same
+    collective, median over the window (s)."""
+    arrival_last_fraction: float = 0.6
+    """Minimum fraction of the rank's compared collectives at which it arrived last of all (0-1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("window", "min_steps", "arrival_window", "arrival_min_collectives"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--straggler-{name.replace('_', '-')} must be an integer >= 1; got {value!r}")
+        if not isinstance(self.arrival_last_fraction, (int, float)) or not 0 <= self.arrival_last_fraction <= 1:
+            raise ValueError(f"--straggler-arrival-last-fraction must be a number from 0 to 1; "
+                             f"got {self.arrival_last_fraction!r}")
 
 
 class StepTable:
@@ -123,39 +170,6 @@ class StepTable:
         return np.where(self.step[at] == steps[None, :], self.value[at], np.nan)
 
 
-def peer_median(m: np.ndarray) -> np.ndarray:
-    """Per entry of a (ranks, steps) matrix: the median of the other ranks' values
-    in the same column (NaN values are absent; NaN where fewer than one peer).
-
-    Leave-one-out from one partial sort per column: the median of the k peers
-    sorted r[0..k-1] is (r[(k-1)//2] + r[k//2]) / 2, and the peers' i-th value
-    is the column's i-th if the entry's own value sorts above it, else the
-    (i+1)-th (with ties either gives the same value)."""
-    n_rows, n_cols = m.shape
-    if n_rows == 0 or n_cols == 0:
-        return np.full(m.shape, np.nan)
-    present = np.isfinite(m)
-    peers = present.sum(axis=0) - 1  # values left once the entry's own is removed
-    picks = (np.maximum(peers - 1, 0) // 2, np.maximum(peers, 0) // 2)
-    # Only these order statistics are read: a partition (NaN last, as in a
-    # sort) per step, linear in the ranks where a sort is not.
-    kth = np.unique(np.concatenate([np.minimum(i + d, n_rows - 1) for i in picks for d in (0, 1)]))
-    s = np.partition(m.T, kth, axis=1)
-    cols = np.arange(n_cols)
-    ref = np.zeros(m.shape)
-    both = np.array_equal(*picks)  # an odd number of peers: one middle value
-    for i in picks[:1] if both else picks:
-        here = s[cols, i]
-        above = s[cols, np.minimum(i + 1, n_rows - 1)]
-        ref += (1.0 if both else 0.5) * np.where(m <= here[None, :], above[None, :], here[None, :])
-    return np.where(present & (peers >= 1)[None, :], ref, np.nan)
-
-
-# Ranks whose excess spread (MAD over the window) is computed to estimate the
-# jitter in big jobs: the median of 256 is as good an estimate as of 4096.
-_JITTER_SAMPLE = 256
-
-
 class StragglerDetector(Detector):
     """Reports `straggler` while some ranks are persistently slow."""
 
@@ -171,6 +185,8 @@ class StragglerDetector(Detector):
         self._ratio_ranks = np.zeros(0, dtype=np.int64)
         self._ratio_values = np.zeros(0)
         self._current: Incident | None = None
+        self._arrival = ArrivalEvaluator(self.config) if self.config.arrivals else None
+        self._compute_shown = False  # the compute incident was reported last tick
 
     def current_ratios(self) -> dict[int, float]:
         """Latest slowdown ratio per compared rank (its compute / its peers' median
@@ -189,6 +205,9 @@ class StragglerDetector(Detector):
         if restarted.any():
             self._compute.reset(ranks[restarted])
             self._streak[ranks[restarted]] = 0
+        arrival = None
+        if self._arrival is not None:
+            arrival = self._arrival.check(view, ranks[restarted], self.current_ratios)
         compute = t["compute_s"]
         # NaN compute time means the rank does not know it (no wait phases
         # marked); such ranks are left out rather than guessed.
@@ -201,7 +220,25 @@ class StragglerDetector(Detector):
         if top != self._last_eval_step and advanced.any():
             self._last_eval_step = top
             self._current = self._evaluate(view, top)
-        return [self._current] if self._current is not None else []
+        out = self._prefer(arrival, self._current)
+        self._compute_shown = any(inc is self._current for inc in out)
+        return out
+
+    def _prefer(self, arrival: Incident | None, compute: Incident | None) -> list[Incident]:
+        """Arrival order overrules compute time for the ranks it judged: a compute
+        culprit they see arriving on time is no straggler, one they report is
+        theirs, and a new one they see late is left for them to confirm. A
+        compute incident already being reported stays while the arrivals still
+        see its culprit late: a gap would make their confirmation a second
+        incident for the same rank."""
+        if self._arrival is None or not self._arrival.active or compute is None:
+            return [x for x in (arrival, compute) if x is not None]
+        culprits = np.asarray(compute.culprit_ranks, dtype=np.int64)
+        judged = np.isin(culprits, self._arrival.covered)
+        theirs = arrival is not None and bool(np.isin(culprits, arrival.culprit_ranks).any())
+        if theirs or (judged & ~self._arrival.slow(culprits)).any() or (judged.any() and not self._compute_shown):
+            return [arrival] if arrival is not None else []
+        return [x for x in (arrival, compute) if x is not None]
 
     def _clear(self, ranks: np.ndarray) -> None:
         self._ratio_ranks, self._ratio_values = np.zeros(0, dtype=np.int64), np.zeros(0)
@@ -277,6 +314,7 @@ class StragglerDetector(Detector):
             runbook="straggler",
             category=None,
             evidence={
+                "source": "compute",
                 "slowdown_ratio": round(float(c_ratio.max()), 4),
                 "ratios": {c: round(float(x), 4) for c, x in zip(culprits, c_ratio)},
                 "compute_s": {c: round(float(x), 6) for c, x in zip(culprits, c_med)},

@@ -1,0 +1,43 @@
+"""Comparing each rank with its peers: what both straggler evidences share
+(compute time per step in straggler.py, collective arrival times in arrival.py).
+
+Kept apart from both so neither imports the other's module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAD_TO_SIGMA = 0.6745
+"""Multiplying a MAD by 1 / 0.6745 makes it a standard-deviation estimate for normal data."""
+JITTER_SAMPLE = 256
+"""Ranks whose spread (MAD over the window) is computed to estimate the jitter
+in big jobs: the median of 256 is as good an estimate as of 4096."""
+
+
+def peer_median(m: np.ndarray) -> np.ndarray:
+    """Per entry of a (ranks, steps) matrix: the median of the other ranks' values
+    in the same column (NaN values are absent; NaN where fewer than one peer).
+
+    Leave-one-out from one partial sort per column: the median of the k peers
+    sorted r[0..k-1] is (r[(k-1)//2] + r[k//2]) / 2, and the peers' i-th value
+    is the column's i-th if the entry's own value sorts above it, else the
+    (i+1)-th (with ties either gives the same value)."""
+    n_rows, n_cols = m.shape
+    if n_rows == 0 or n_cols == 0:
+        return np.full(m.shape, np.nan)
+    present = np.isfinite(m)
+    peers = present.sum(axis=0) - 1  # values left once the entry's own is removed
+    picks = (np.maximum(peers - 1, 0) // 2, np.maximum(peers, 0) // 2)
+    # Only these order statistics are read: a partition (NaN last, as in a
+    # sort) per step, linear in the ranks where a sort is not.
+    kth = np.unique(np.concatenate([np.minimum(i + d, n_rows - 1) for i in picks for d in (0, 1)]))
+    s = np.partition(m.T, kth, axis=1)
+    cols = np.arange(n_cols)
+    ref = np.zeros(m.shape)
+    both = np.array_equal(*picks)  # an odd number of peers: one middle value
+    for i in picks[:1] if both else picks:
+        here = s[cols, i]
+        above = s[cols, np.minimum(i + 1, n_rows - 1)]
+        ref += (1.0 if both else 0.5) * np.where(m <= here[None, :], above[None, :], here[None, :])
+    return np.where(present & (peers >= 1)[None, :], ref, np.nan)
