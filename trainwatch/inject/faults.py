@@ -2,6 +2,24 @@
 a real blocked DataLoader, a real GIL-holding pause, a real blocked file write,
 a real skipped all_reduce, a real signal. The watchdog must find them the way it
 would find the real thing, from slots and stacks.
+
+Training-health faults leave the rank running and make its training go wrong
+from their step on, each with the real mechanism:
+
+- `lr:value=V`: the optimizer's learning rate is set to V in every param group
+  just before each optimizer step, so an LR scheduler writing it back is undone.
+- `dead_grad`: the rank's gradients are zeroed after backward (after DDP's
+  all-reduce), before clipping and the optimizer read them.
+- `scale_collapse`: one gradient element of the rank is set to inf just before
+  its GradScaler checks them, as an fp16 overflow does: the scaler skips the
+  optimizer step and halves its scale, every step. Put after backward, so it
+  stays in this rank (an inf loss would reach every rank through DDP's
+  all-reduce, and poison the weights of ranks without a scaler). Zero-code, it
+  fires only in scripts that use a GradScaler.
+- `loss_rise:rate=R`: the loss is multiplied by 1 + R * (steps since the fault's
+  step) before backward: a steadily rising curve, not a spike.
+- `slow_step:where=data|backward|optimizer,delay=S,every=N`: a sleep of S seconds
+  inside that phase, once (every=0) or every N steps.
 """
 
 from __future__ import annotations
@@ -9,6 +27,7 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import math
 import os
 import tempfile
 import time
@@ -16,13 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from trainwatch import env, state
-from trainwatch.inject.spec import HARDWARE_KINDS, FaultSpec, decode, signal_number
 from trainwatch.inject.hooks import NO_FAULTS, FaultHooks
+from trainwatch.inject.spec import HARDWARE_KINDS, FaultSpec, decode, signal_number
 
 # Which fault point each fault fires at. The trainer calls "data" before each
-# batch, "forward" before forward, "step_end" after tw.step; the zero-code
-# bootstrap calls "data" from DataLoader and "forward"/"step_end" from the
-# optimizer hooks.
+# batch, "forward" before forward, "backward" and "optimizer" inside those
+# phases, "step_end" after tw.step; the zero-code bootstrap calls "data" from
+# DataLoader, "backward" from Tensor.backward and "forward"/"optimizer"/
+# "step_end" from the optimizer hooks. (slow_step fires at its `where`.)
 _POINTS = {
     ("hang", "compute"): "forward",
     ("hang", "gc"): "forward",
@@ -52,6 +72,7 @@ class Armed(FaultHooks):
     def __init__(self, faults: list[FaultSpec]):
         self.faults = faults
         self.fired: set[int] = set()
+        self._slow_at: dict[int, int] = {}
 
     @staticmethod
     def _running(tw: Any) -> int:
@@ -62,22 +83,34 @@ class Armed(FaultHooks):
             return self._running(tw) >= f.step
         return i not in self.fired and self._running(tw) >= f.step
 
+    def _ongoing(self, tw: Any, i: int, f: FaultSpec) -> bool:
+        """A fault that lasts from its step on: True from then, recorded the first time."""
+        running = self._running(tw)
+        if running < f.step:
+            return False
+        if i not in self.fired:
+            self.fired.add(i)
+            mark_fired(f, tw.rank, running)
+        return True
+
     def fault_point(self, tw: Any, where: str) -> None:
         for i, f in enumerate(self.faults):
             if f.kind == "crash":
                 point = f.params.get("at", "forward")
+            elif f.kind == "slow_step":
+                point = f.params.get("where", "data")
             else:
                 point = _POINTS.get((f.kind, f.params.get("where") if f.kind == "hang" else None))
             if point != where:
                 continue
             if f.kind == "straggler":
-                if self._due(tw, i, f, persistent=True):
-                    if i not in self.fired:
-                        self.fired.add(i)
-                        mark_fired(f, tw.rank, self._running(tw))
+                if self._ongoing(tw, i, f):
                     delay = float(f.params.get("delay", 0.5))
                     with tw.phase("compute"):
                         time.sleep(delay)
+                continue
+            if f.kind == "slow_step":
+                self._slow_step(tw, i, f, point)
                 continue
             if not self._due(tw, i, f):
                 continue
@@ -100,9 +133,52 @@ class Armed(FaultHooks):
                 return True
         return False
 
+    def _slow_step(self, tw: Any, i: int, f: FaultSpec, where: str) -> None:
+        """At most once a step: at the fault's step, then every `every` steps if set."""
+        running, every = self._running(tw), int(f.params.get("every", 0))
+        if running < f.step or self._slow_at.get(i) == running:
+            return
+        if (every and (running - f.step) % every) or (not every and i in self.fired):
+            return
+        self._slow_at[i] = running
+        if i not in self.fired:
+            self.fired.add(i)
+            mark_fired(f, tw.rank, running)
+        with tw.phase(where):  # the step's extra time is this phase's
+            time.sleep(float(f.params.get("delay", 1.0)))
+
+    def after_backward(self, tw: Any, params: Any) -> None:
+        for i, f in enumerate(self.faults):
+            if f.kind == "dead_grad" and self._ongoing(tw, i, f):
+                for p in params() if callable(params) else params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+    def before_unscale(self, tw: Any, params: Any) -> None:
+        for i, f in enumerate(self.faults):
+            if f.kind == "scale_collapse" and self._ongoing(tw, i, f):
+                for p in params() if callable(params) else params:
+                    g = p.grad
+                    if g is not None and g.numel():
+                        g[(0,) * g.dim()] = math.inf  # an overflow, as fp16 gradients have them
+                        break
+
+    def before_optimizer(self, tw: Any, optimizer: Any) -> None:
+        for i, f in enumerate(self.faults):
+            if f.kind == "lr" and self._ongoing(tw, i, f):
+                value = float(f.params.get("value", 0.0))
+                for group in optimizer.param_groups:
+                    lr = group.get("lr")
+                    if hasattr(lr, "fill_"):  # a tensor LR (capturable optimizers): keep the tensor
+                        lr.fill_(value)
+                    else:
+                        group["lr"] = value
+
     def perturb_loss(self, tw: Any, loss: Any) -> Any:
         for i, f in enumerate(self.faults):
-            if f.kind in ("nan", "spike") and self._due(tw, i, f):
+            if f.kind == "loss_rise" and self._ongoing(tw, i, f):
+                loss = loss * (1.0 + float(f.params.get("rate", 0.02)) * (self._running(tw) - f.step))
+            elif f.kind in ("nan", "spike") and self._due(tw, i, f):
                 self.fired.add(i)
                 mark_fired(f, tw.rank, self._running(tw))
                 if f.kind == "nan":

@@ -13,15 +13,27 @@ class FaultHooks:
     """No faults: every hook is a no-op."""
 
     def fault_point(self, tw: Any, where: str) -> None:
-        """At 'data', 'forward', 'checkpoint', 'step_end' and 'emergency_write'."""
+        """At 'data', 'forward', 'checkpoint', 'step_end' and 'emergency_write'; inside
+        the backward and optimizer phases at 'backward' and 'optimizer'."""
 
     def skip_collective(self, tw: Any) -> bool:
         """True when this rank should silently skip its next all-reduce."""
         return False
 
     def perturb_loss(self, tw: Any, loss: Any) -> Any:
-        """The loss, or a NaN/spiked copy of it."""
+        """The loss, or a NaN/spiked/rising copy of it (before backward)."""
         return loss
+
+    def after_backward(self, tw: Any, params: Any) -> None:
+        """After backward, before anything reads the gradients (clipping, the
+        optimizer): params is an iterable of parameters, or a callable returning one
+        (called only when a fault needs them)."""
+
+    def before_unscale(self, tw: Any, params: Any) -> None:
+        """Just before a GradScaler checks the gradients for inf/NaN (unscale_)."""
+
+    def before_optimizer(self, tw: Any, optimizer: Any) -> None:
+        """Just before optimizer.step(), after any LR scheduler set the LR."""
 
     def wants(self, kind: str, where: str | None = None) -> bool:
         """True when a fault of this kind (and hang location) is armed here."""

@@ -20,8 +20,21 @@ KINDS: dict[str, set[str]] = {
     "spike": {"rank", "step", "factor"},
     "xid": {"code", "rank", "step"},
     "ecc": {"rank", "step"},
+    # Training-health faults: the rank trains on, badly (trainwatch.inject.faults).
+    "lr": {"value", "rank", "step"},
+    "dead_grad": {"rank", "step"},
+    "scale_collapse": {"rank", "step"},
+    "loss_rise": {"rate", "rank", "step"},
+    "slow_step": {"where", "delay", "every", "rank", "step"},
 }
 HANG_WHERE = ("collective_skip", "gc", "dataloader", "checkpoint", "compute")
+SLOW_WHERE = ("data", "backward", "optimizer")
+DEFAULTS: dict[str, dict] = {
+    "lr": {"value": 0.0},
+    "loss_rise": {"rate": 0.02},
+    "slow_step": {"where": "data", "delay": 1.0, "every": 0},
+}
+"""Parameters a kind takes when the spec leaves them out."""
 CRASH_AT = ("forward", "emergency_write")
 HARDWARE_KINDS = frozenset({"xid", "ecc"})
 """Faults the sidecar injects (a fake NVML, kernel-log lines), not the ranks."""
@@ -78,6 +91,9 @@ def parse(spec: str) -> FaultSpec:
         where = fault.params.setdefault("where", "compute")
         if where not in HANG_WHERE:
             raise InjectError(f"--inject hang: unknown where={where!r}; valid: {', '.join(HANG_WHERE)}")
+    if kind == "slow_step" and fault.params.get("where", "data") not in SLOW_WHERE:
+        raise InjectError(f"--inject slow_step: unknown where={fault.params['where']!r}; "
+                          f"valid: {', '.join(SLOW_WHERE)}")
     if kind == "crash" and fault.params.setdefault("at", "forward") not in CRASH_AT:
         raise InjectError(f"--inject crash: unknown at={fault.params['at']!r}; valid: {', '.join(CRASH_AT)}")
     if kind == "crash" and "signal" in fault.params:
@@ -86,7 +102,7 @@ def parse(spec: str) -> FaultSpec:
         except ValueError:
             raise InjectError(f"--inject crash: unknown signal {fault.params['signal']!r}; "
                               "use a name like KILL, SEGV, ABRT, TERM or a number") from None
-    for key in ("delay", "seconds", "factor"):
+    for key in ("delay", "seconds", "factor", "value", "rate"):
         if key in fault.params:
             try:
                 fault.params[key] = float(fault.params[key])
@@ -94,6 +110,17 @@ def parse(spec: str) -> FaultSpec:
                 raise InjectError(f"--inject {kind}: {key} must be a number, got {fault.params[key]!r}") from None
             if not math.isfinite(fault.params[key]) or fault.params[key] < 0:
                 raise InjectError(f"--inject {kind}: {key} must be a finite number >= 0, got {fault.params[key]}")
+    if fault.params.get("rate") == 0:
+        raise InjectError(f"--inject {kind}: rate must be greater than 0, got 0")
+    if "every" in fault.params:
+        try:
+            fault.params["every"] = int(fault.params["every"])
+        except ValueError:
+            raise InjectError(f"--inject {kind}: every must be an integer, got {fault.params['every']!r}") from None
+        if fault.params["every"] < 0:
+            raise InjectError(f"--inject {kind}: every must be >= 0 (0: once), got {fault.params['every']}")
+    for key, value in DEFAULTS.get(kind, {}).items():
+        fault.params.setdefault(key, value)
     if "code" in fault.params:
         try:
             fault.params["code"] = int(fault.params["code"])

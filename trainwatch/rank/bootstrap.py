@@ -14,6 +14,16 @@ Progress is more than optimizer steps: a fetched batch and a finished
 no_grad/inference_mode block count too, and a module put in eval mode (or a
 batch fetched with gradients off) puts the rank in the `eval` phase, so a
 validation pass with no optimizer step is never taken for a hang.
+
+Training health comes from the same hooks: the loss backward() ran on (before
+a GradScaler scaled it), the first param group's LR at each optimizer step,
+clip_grad_norm_'s total norm as the grad norm, a GradScaler's scale after each
+update() (published with the next step), and the time each step spent in the
+data, backward and optimizer phases. CPU values are read at once; GPU values
+are copied to the host without a synchronisation and read when the copy has
+finished (trainwatch.rank.deferred): a step later, so the slot's loss and
+grad norm are usually the previous step's. The zero-gradient fraction stays
+NaN here: no hook sees it for free.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import weakref
 
 import trainwatch
 
@@ -29,37 +40,71 @@ def install_zero_code(tw) -> None:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+    from trainwatch.rank.deferred import DeferredScalar
+
     last_loss: list = [None]
+    steps = [0]
+    # GPU scalars are read a step late, never with a synchronisation (see deferred.py).
+    loss_reader, norm_reader, scale_reader, lr_reader = (DeferredScalar() for _ in range(4))
+    faults = tw.faults
 
     def on_step(optimizer, args, kwargs) -> None:
         tw.set_phase("compute")
+        steps[0] += 1
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        if lr.__class__ is float:
+            tw._lr = lr
+        elif isinstance(lr, torch.Tensor):
+            if (value := lr_reader.take(lr)) is not None:
+                tw._lr = value
+        elif isinstance(lr, int):
+            tw._lr = float(lr)
+        if norm_reader.pending and (value := norm_reader.ready()) is not None:
+            tw._grad_norm = value
+        if scale_reader.pending and (value := scale_reader.ready()) is not None:
+            tw._loss_scale = value
         if tw._explicit:
             return  # the script reports its own steps through the API
         loss = last_loss[0]
         last_loss[0] = None
-        value = None
-        if loss is not None and loss.device.type == "cpu":
-            value = float(loss)  # on CPU this is a read; on GPU it would wait for the device
+        value = loss_reader.take(loss) if loss is not None else loss_reader.ready()
         tw._record(value, None, None, None)
         tw.fault_point("step_end")
 
     def on_pre_step(optimizer, args, kwargs) -> None:
         tw.fault_point("forward")
         tw.set_phase("optimizer")
+        tw.fault_point("optimizer")
+        faults.before_optimizer(tw, optimizer)
 
     register_optimizer_step_pre_hook(on_pre_step)
     register_optimizer_step_post_hook(on_step)
 
+    def loss_seen(loss):
+        loss = tw.perturb_loss(loss)
+        last_loss[0] = loss.detach()
+        return loss
+
+    scaled: list = [_dead_ref]  # GradScaler.scale's last output (weakly): its loss was seen unscaled
     original_backward = torch.Tensor.backward
+    dead_grad = faults.wants("dead_grad")
 
     def backward(self, *args, **kwargs):
         if self.dim() == 0:
-            self = tw.perturb_loss(self)
-            last_loss[0] = self.detach()
+            if scaled[0]() is self:
+                scaled[0] = _dead_ref
+            else:
+                self = loss_seen(self)
         with tw.phase("backward"):
-            return original_backward(self, *args, **kwargs)
+            tw.fault_point("backward")
+            result = original_backward(self, *args, **kwargs)
+        if dead_grad:
+            faults.after_backward(tw, lambda root=self.grad_fn: _leaf_params(root))
+        return result
 
     torch.Tensor.backward = backward  # type: ignore[method-assign]
+    _wrap_clip_grad_norm(torch, tw, norm_reader)
+    _wrap_grad_scaler(torch, tw, loss_seen, scaled, scale_reader, steps, on_pre_step, on_step)
 
     from torch.utils.data import dataloader
 
@@ -98,6 +143,104 @@ def install_zero_code(tw) -> None:
 
     if tw.faults.wants("hang", "collective_skip"):
         _skip_ddp_allreduce(tw)
+
+
+def _dead_ref() -> None:
+    return None
+
+
+def _leaf_params(root) -> list:
+    """The leaf tensors (parameters) a backward from autograd node `root` reached."""
+    seen, stack, out = set(), [root], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            out.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return out
+
+
+def _wrap_clip_grad_norm(torch, tw, reader) -> None:
+    """clip_grad_norm_ returns the total gradient norm: published as grad_norm
+    (read at once on CPU, a step late on GPU)."""
+    import functools
+
+    from torch.nn.utils import clip_grad
+
+    original = torch.nn.utils.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(*args, **kwargs):
+        total = original(*args, **kwargs)
+        if isinstance(total, torch.Tensor) and total.numel() == 1:
+            value = reader.take(total)
+            if value is not None:
+                tw._grad_norm = value
+        return total
+
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    if clip_grad.clip_grad_norm_ is original:
+        clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+def _wrap_grad_scaler(torch, tw, loss_seen, scaled, reader, steps, on_pre_step, on_step) -> None:
+    """fp16 mixed precision through torch.amp.GradScaler: the scale after each
+    update() is published as loss_scale (at the next step); the loss is seen
+    before it is scaled; a step the scaler skips (inf/NaN gradients, so no
+    optimizer.step() and none of its hooks) is still a step; `scale_collapse`
+    puts its overflow in the gradients just before the scaler checks them."""
+    classes = [torch.amp.GradScaler]
+    cuda_cls = getattr(torch.cuda.amp, "GradScaler", None)
+    if cuda_cls is not None and cuda_cls is not torch.amp.GradScaler:
+        classes.append(cuda_cls)
+    for cls in classes:
+        if "update" in cls.__dict__:
+            cls.update = _after_update(cls.update, tw, reader)
+    gs = torch.amp.GradScaler
+    original_scale, original_step = gs.scale, gs.step
+
+    def scale(self, outputs):
+        if isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+            result = original_scale(self, loss_seen(outputs))
+            scaled[0] = weakref.ref(result)
+            return result
+        return original_scale(self, outputs)
+
+    def step(self, optimizer, *args, **kwargs):
+        before = steps[0]
+        result = original_step(self, optimizer, *args, **kwargs)
+        if steps[0] == before:  # skipped: the iteration is done all the same
+            on_pre_step(optimizer, args, kwargs)
+            on_step(optimizer, args, kwargs)
+        return result
+
+    gs.scale, gs.step = scale, step
+    if tw.faults.wants("scale_collapse"):
+        name = "_unscale_grads_" if hasattr(gs, "_unscale_grads_") else "unscale_"
+        original_unscale = getattr(gs, name)
+
+        def unscale(self, optimizer, *args, **kwargs):
+            tw.faults.before_unscale(tw, lambda: [p for g in optimizer.param_groups for p in g["params"]])
+            return original_unscale(self, optimizer, *args, **kwargs)
+
+        setattr(gs, name, unscale)
+
+
+def _after_update(original, tw, reader):
+    def update(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        scale = getattr(self, "_scale", None)
+        if scale is not None and self.is_enabled():
+            value = reader.take(scale)
+            if value is not None:
+                tw._loss_scale = value
+        return result
+
+    return update
 
 
 def _mark_on_exit(cls, tw) -> None:
@@ -146,10 +289,11 @@ def _skip_ddp_allreduce(tw) -> None:
 def _warn_unfired(tw) -> None:
     """An armed fault that never fired is said, never silently dropped."""
     for f in tw.faults.unfired():
-        where = f":where={f.params['where']}" if f.kind == "hang" else ""
+        where = f":where={f.params['where']}" if "where" in f.params else ""
         print(f"[trainwatch] rank {tw.rank}: injected fault {f.kind}{where} (step {f.step}) never fired: "
-              f"the script never reached its trigger point (fault points are DataLoader batches, "
-              f"optimizer steps, dist.all_reduce calls and DDP gradient all-reduces)", file=sys.stderr, flush=True)
+              f"the script never reached its trigger point (fault points are DataLoader batches, backward, "
+              f"optimizer steps, dist.all_reduce calls, DDP gradient all-reduces and, for scale_collapse, "
+              f"a GradScaler)", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from trainwatch import env, procctl, slots
 from trainwatch.inject.faults import armed_faults
 from trainwatch.inject.hooks import NO_FAULTS, FaultHooks
 from trainwatch.rank import collectives, flightrec, store
+from trainwatch.rank.phases import ACC_OF, PhaseScope, charge
 from trainwatch.rank.slotwriter import SlotWriter
 
 log = logging.getLogger("trainwatch")
@@ -88,11 +89,17 @@ class Telemetry:
         self.faults = faults
         """Where injected faults happen in this rank (`--inject`); a no-op by default."""
         self._emergency: Any = None
-        self._scopes: dict[str, _PhaseScope] = {}
+        self._scopes: dict[str, PhaseScope] = {}
         self._words = segment.buf.cast("Q")
         self._ack_word = (segment.offset(index) + slots.ACK_OFF) // 8
         self._ack = -1
         self._pl, self._pls, self._pg, self._pgs = math.nan, 0, math.nan, 0
+        # Health signals (kept until given again), this step's phase times (see
+        # trainwatch.rank.phases), the slowest step since the sidecar's last read.
+        self._lr = self._loss_scale = self._zero_frac = math.nan
+        self._acc, self._seen = [0.0] * 3, [math.nan] * 3  # seen: 0.0 once the phase was entered, else NaN
+        self._ps, self._pss, self._pds, self._pbs, self._pos = math.nan, 0, math.nan, math.nan, math.nan
+        self._timed = False
         self._publish()
 
     # ---- step path ----------------------------------------------------------
@@ -101,7 +108,8 @@ class Telemetry:
     def current_step(self) -> int:
         return self._step
 
-    def step(self, loss: Any = None, grad_norm: Any = None, *, step: int | None = None, compute_s: float | None = None) -> None:
+    def step(self, loss: Any = None, grad_norm: Any = None, *, step: int | None = None, compute_s: float | None = None,
+             lr: Any = None, loss_scale: Any = None, zero_grad_frac: Any = None) -> None:
         """Record that a training step finished.
 
         loss / grad_norm: floats (a tensor is converted with float(), which on
@@ -109,14 +117,31 @@ class Telemetry:
         step: the step number just finished; default previous + 1.
         compute_s: this step's compute time; default step time minus time spent
         in phases that wait on peers (backward, collective).
+        lr: the learning rate this step used (the first param group's).
+        loss_scale: the mixed-precision loss scale after this step
+        (`scaler.get_scale()` of a torch.amp.GradScaler).
+        zero_grad_frac: the fraction of gradient elements that were exactly 0.
+        lr, loss_scale and zero_grad_frac are kept until given again, so they can
+        be measured every few steps; loss and grad_norm are too.
+        Time spent in the `data`, `backward` and `optimizer` phases during the
+        step is published with it (see `phase`).
         """
         self._explicit = True
         self._source = slots.STEP_REPORTED
+        if lr is not None:
+            self._lr = lr if lr.__class__ is float else float(lr)
+        if loss_scale is not None:
+            self._loss_scale = loss_scale if loss_scale.__class__ is float else float(loss_scale)
+        if zero_grad_frac is not None:
+            self._zero_frac = zero_grad_frac if zero_grad_frac.__class__ is float else float(zero_grad_frac)
         self._record(loss, grad_norm, step, compute_s)
 
     def _record(self, loss: Any, grad_norm: Any, step: int | None, compute_s: float | None) -> None:
         # The hot path: plain attribute work and three struct writes.
         now = _monotonic()
+        i = ACC_OF[self._phase]
+        if i >= 0:  # the phase the rank is in counts up to now
+            charge(self, i, now)
         self._step = n = self._step + 1 if step is None else step
         if not self._first:
             self._first = n
@@ -132,6 +157,9 @@ class Telemetry:
         elif self._wait_s:
             self._compute_s = step_s - self._wait_s if step_s > self._wait_s else 0.0
         self._wait_s = 0.0
+        acc, seen = self._acc, self._seen
+        d, b, o = acc[0] + seen[0], acc[1] + seen[1], acc[2] + seen[2]
+        acc[0] = acc[1] = acc[2] = 0.0
         if self._phase == _INIT:
             # A rank that finished a step is past start-up: time outside any
             # phase from now on is plain compute, not the lenient "init".
@@ -141,7 +169,13 @@ class Telemetry:
         if ack != self._ack:
             self._ack = ack
             self._pl, self._pls, self._pg, self._pgs = self._loss, n, self._grad_norm, n
+            if self._timed:  # a process's first step also timed its start-up: never a peak
+                self._ps, self._pss, self._pds, self._pbs, self._pos = step_s, n, d, b, o
+            else:
+                self._ps, self._pss, self._pds, self._pbs, self._pos = math.nan, 0, math.nan, math.nan, math.nan
         else:
+            if self._timed and not (step_s <= self._ps):
+                self._ps, self._pss, self._pds, self._pbs, self._pos = step_s, n, d, b, o
             pk = self._pl
             if pk == pk and not (self._loss <= pk):
                 self._pl, self._pls = self._loss, n
@@ -155,7 +189,10 @@ class Telemetry:
         self._writer.write_fast(n, self._loss, self._grad_norm, step_s, self._compute_s, now, self._start,
                                 self._phase, self._source, self._phase_since, self.py_collectives,
                                 self._pl, self._pls, self._pg, self._pgs, self._first,
-                                self.world_collectives, seq_fn() if seq_fn is not None else -1)
+                                self.world_collectives, seq_fn() if seq_fn is not None else -1,
+                                (self._lr, self._loss_scale, self._zero_frac, d, b, o,
+                                 self._ps, self._pss, self._pds, self._pbs, self._pos))
+        self._timed = True
         if self._hooks:
             for hook in self._hooks:
                 hook(n)
@@ -173,15 +210,16 @@ class Telemetry:
     def count_batch(self) -> None:
         self._writer.count_batch(_monotonic())
 
-    def phase(self, name: str) -> "_PhaseScope":
+    def phase(self, name: str) -> PhaseScope:
         """Mark a phase of the step (data, forward, backward, optimizer, checkpoint, eval...):
-        `with tw.phase("data"): ...`"""
+        `with tw.phase("data"): ...`. The time each step spends in data, backward
+        and optimizer is published with it (trainwatch.rank.phases)."""
         scope = self._scopes.get(name)
         if scope is None or scope.active:
             code = slots.PHASE_CODES.get(name)
             if code is None:
                 raise ValueError(f"unknown phase {name!r}; use one of {', '.join(slots.PHASES)}")
-            scope = _PhaseScope(self, code, name)
+            scope = PhaseScope(self, code, name)
             if name not in self._scopes:
                 self._scopes[name] = scope
         return scope
@@ -190,6 +228,9 @@ class Telemetry:
         self._set_phase(slots.PHASE_CODES[name], name, _monotonic())
 
     def _set_phase(self, code: int, name: str, now: float) -> None:
+        i = ACC_OF[self._phase]
+        if i >= 0:
+            charge(self, i, now)
         self._phase, self._phase_name, self._phase_since = code, name, now
         self._writer.write_phase(code, self._source, now, self.py_collectives)
 
@@ -260,6 +301,9 @@ class Telemetry:
         if self._phase == _COLLECTIVE:
             return None
         token = (self._phase, self._phase_name, _monotonic())
+        i = ACC_OF[self._phase]
+        if i >= 0:
+            charge(self, i, token[2])
         self._phase, self._phase_name, self._phase_since = _COLLECTIVE, "collective", token[2]
         self._writer.write_phase(_COLLECTIVE, self._source, token[2], self.py_collectives)
         return token
@@ -305,8 +349,9 @@ class Telemetry:
             groups = self._fr.sample()
             if groups is None:
                 groups = [slots.CollectiveGroup(0, self.py_collectives, self.py_collectives, self.last_py_op)]
+            # Arrivals at recent default-group collectives (None: leave the last ones).
             self._writer.write_sampler(time.monotonic(), self._fr.available, self._step, groups, time.process_time(),
-                                       flightrec.io_bytes())
+                                       flightrec.io_bytes(), arrivals=self._fr.arrivals)
 
     def close(self) -> None:
         if self._stop.is_set():
@@ -315,34 +360,6 @@ class Telemetry:
         if self._sampler is not None:
             self._sampler.join(timeout=2)
         self._set_phase(slots.PHASE_CODES["done"], "done", time.monotonic())
-
-
-class _PhaseScope:
-    """Context manager for one phase; reused per phase name (no generator per call)."""
-
-    __slots__ = ("tw", "code", "name", "wait", "prev", "prev_name", "start", "active")
-
-    def __init__(self, tw: Telemetry, code: int, name: str):
-        self.tw, self.code, self.name = tw, code, name
-        self.wait = name in slots.WAIT_PHASES
-        self.active = False
-
-    def __enter__(self) -> None:
-        tw = self.tw
-        self.active = True
-        self.prev, self.prev_name = tw._phase, tw._phase_name
-        self.start = now = _monotonic()
-        tw._phase, tw._phase_name, tw._phase_since = self.code, self.name, now
-        tw._writer.write_phase(self.code, tw._source, now, tw.py_collectives)
-
-    def __exit__(self, *exc: Any) -> None:
-        tw = self.tw
-        now = _monotonic()
-        if self.wait:
-            tw._wait_s += now - self.start
-        tw._phase, tw._phase_name, tw._phase_since = self.prev, self.prev_name, now
-        tw._writer.write_phase(self.prev, tw._source, now, tw.py_collectives)
-        self.active = False
 
 
 _monotonic = time.monotonic

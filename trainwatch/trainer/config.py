@@ -21,7 +21,7 @@ CKPT_DIR_ENV = env.CKPT_DIR
 (the launcher sets it so a restarted job finds its checkpoints)."""
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16", "fp8")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 class UsageError(ValueError):
@@ -78,7 +78,8 @@ class TrainConfig:
     device: str = "auto"
     """'cuda' when a GPU is present for 'auto', else 'cpu'."""
     precision: str = "fp32"
-    """'fp32', 'bf16' (autocast) or 'fp8' (transformer-engine, CUDA only)."""
+    """'fp32', 'bf16' (autocast), 'fp16' (autocast and a dynamic loss scale, torch.amp.GradScaler;
+    on CPU the autocast is bf16, the GradScaler real) or 'fp8' (transformer-engine, CUDA only)."""
     model_size: str = "small"
     """Model preset: tiny, small, medium, gpt2-125m, gpt2-350m."""
     batch_size: int | None = None

@@ -3,9 +3,13 @@ parallel over torch.distributed, reporting every step to trainwatch.
 
 Runs under `torchrun` / `trainwatch launch` (RANK, WORLD_SIZE, MASTER_ADDR set;
 gloo on CPU, nccl on CUDA) or as one plain process (no process group).
-Everything a step depends on (weights, optimizer moments, LR, batch) is either
-in the checkpoint or a pure function of the step number, so a resumed run
-continues exactly where an uninterrupted one would be.
+Everything a step depends on (weights, optimizer moments, loss scale, LR, batch)
+is either in the checkpoint or a pure function of the step number, so a resumed
+run continues exactly where an uninterrupted one would be.
+
+Each step reports its loss, grad norm, LR and (fp16) loss scale, and every
+ZERO_GRAD_EVERY steps the fraction of zero gradient elements, read from the
+device together in one copy.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from trainwatch.trainer.resume import agree, checkpoint_writer, find_resume
 
 FP8_ERROR = "--precision fp8 needs a CUDA GPU and transformer-engine (pip install 'trainwatch[gpu]')"
 STATE_FORMAT = 1
+ZERO_GRAD_EVERY = 10
+"""Steps between measurements of the fraction of zero gradient elements (one
+count_nonzero per parameter: about as much as clipping costs, so not every step;
+also measured at a run's first and last step)."""
 
 
 @dataclass(slots=True)
@@ -96,7 +104,11 @@ def _check_fp8(rt: Runtime) -> None:
 def _precision_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
     if precision == "fp32":
         return contextlib.nullcontext
-    if precision == "bf16":
+    if precision == "fp16" and device.type == "cuda":
+        return lambda: torch.autocast(device.type, dtype=torch.float16)
+    if precision in ("bf16", "fp16"):
+        # fp16 on CPU: torch's fp16 CPU kernels are an order of magnitude slower;
+        # bf16 compute, with fp16's GradScaler all the same (see _scaler).
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling
@@ -122,8 +134,27 @@ def _optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.opti
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
-def _restore(state: dict, where: str, model: GPT, opt: torch.optim.Optimizer, rt: Runtime, cfg: TrainConfig) -> int:
-    """Load weights, optimizer and RNG from a checkpoint state; return its step."""
+def _scaler(cfg: TrainConfig, rt: Runtime, tw) -> torch.amp.GradScaler | None:
+    """fp16's dynamic loss scale. An injected `scale_collapse` fault turns it on
+    whatever the precision, so the fault has a real GradScaler to collapse."""
+    if cfg.precision == "fp16" or tw.faults.wants("scale_collapse"):
+        return torch.amp.GradScaler(rt.device.type)
+    return None
+
+
+def _zero_fraction(model: GPT) -> torch.Tensor | None:
+    """The fraction of gradient elements exactly 0, as a tensor on the device (not read here)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = sum(g.numel() for g in grads)
+    if not total:
+        return None
+    nonzero = torch.stack([torch.count_nonzero(g) for g in grads]).sum()
+    return 1.0 - nonzero.double() / total
+
+
+def _restore(state: dict, where: str, model: GPT, opt: torch.optim.Optimizer, rt: Runtime, cfg: TrainConfig,
+             scaler: torch.amp.GradScaler | None = None) -> int:
+    """Load weights, optimizer, loss scale and RNG from a checkpoint state; return its step."""
     try:
         step = int(state["step"])
         model.load_state_dict(state["model"])
@@ -141,6 +172,8 @@ def _restore(state: dict, where: str, model: GPT, opt: torch.optim.Optimizer, rt
             f"checkpoint {where} does not fit this model or optimizer ({detail}); "
             "pass the flags it was saved with, or --resume never to start over"
         ) from None
+    if scaler is not None and isinstance(state.get("scaler"), dict) and state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
     rng = state.get("rng", {})
     if isinstance(rng.get("torch_cpu"), torch.Tensor):
         torch.set_rng_state(rng["torch_cpu"])
@@ -149,12 +182,14 @@ def _restore(state: dict, where: str, model: GPT, opt: torch.optim.Optimizer, rt
     return step
 
 
-def _state_dict(model: GPT, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig, rt: Runtime) -> dict:
+def _state_dict(model: GPT, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig, rt: Runtime,
+                scaler: torch.amp.GradScaler | None = None) -> dict:
     """The full checkpoint state: plain tensors, dicts, lists, numbers and strings."""
     rng: dict[str, torch.Tensor] = {"torch_cpu": torch.get_rng_state()}
     if rt.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(rt.device)
-    return {
+    extra = {"scaler": scaler.state_dict()} if scaler is not None else {}
+    return extra | {
         "format": STATE_FORMAT,
         "step": step,
         "model": model.state_dict(),
@@ -232,8 +267,10 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every run
     model = GPT(preset, fp8=cfg.precision == "fp8").to(rt.device)
     opt = _optimizer(model, cfg, rt.device)
+    scaler = _scaler(cfg, rt, tw)
+    faults = tw.faults  # injected faults (--inject); no-ops unless armed in this rank
     if state is not None:
-        _restore(state, resumed_from or "?", model, opt, rt, cfg)
+        _restore(state, resumed_from or "?", model, opt, rt, cfg, scaler)
         say(f"resumed from {resumed_from} (step {first_step - 1})")
         del state  # the checkpoint's tensors are copied in; free the CPU copy
     ddp = model
@@ -259,15 +296,15 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
 
     done_step = first_step - 1
     # Staged to CPU after every step, so the watchdog can save it while this rank hangs.
-    tw.register_state(state_fn=lambda: _state_dict(model, opt, done_step, cfg, rt),
+    tw.register_state(state_fn=lambda: _state_dict(model, opt, done_step, cfg, rt, scaler),
                       checkpoint_dir=cfg.ckpt_dir, keep=cfg.keep)
     # Logging collectives get their own group, as in most real trainers: a rank
     # that desynchronises there leaves DDP's gradient all-reduces intact.
     log_group = dist.new_group() if rt.distributed else None
     say(
         f"trainer: model {cfg.model_size} ({model.num_params() / 1e6:.2f}M params) | world {rt.world_size} | "
-        f"device {rt.device.type} | {cfg.precision} | steps {first_step}-{cfg.max_steps} | "
-        f"batch {cfg.batch_size}x{cfg.seq_len} per rank | seed {cfg.seed}"
+        f"device {rt.device.type} | {cfg.precision}{' + GradScaler' if scaler and cfg.precision != 'fp16' else ''}"
+        f" | steps {first_step}-{cfg.max_steps} | batch {cfg.batch_size}x{cfg.seq_len} per rank | seed {cfg.seed}"
     )
 
     first_loss = final_loss = math.nan
@@ -287,10 +324,24 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
                 _, loss = ddp(x, y)
             loss = tw.perturb_loss(loss)
         with tw.phase("backward"):
-            loss.backward()  # DDP all-reduces gradients during this call
+            tw.fault_point("backward")
+            (loss if scaler is None else scaler.scale(loss)).backward()  # DDP all-reduces gradients in here
+            faults.after_backward(tw, model.parameters)
         with tw.phase("optimizer"):
+            tw.fault_point("optimizer")
+            faults.before_optimizer(tw, opt)
+            if scaler is not None:
+                faults.before_unscale(tw, model.parameters)
+                scaler.unscale_(opt)  # clip the true gradients
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            opt.step()
+            measure = step == first_step or step % ZERO_GRAD_EVERY == 0 or step == cfg.max_steps
+            zeros = _zero_fraction(model) if measure else None
+            lr_used = opt.param_groups[0]["lr"]
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)  # skipped when the gradients hold inf/NaN
+                scaler.update()
             opt.zero_grad(set_to_none=True)
         local = loss.detach().float()
         mean = local.clone()
@@ -300,10 +351,17 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
             with tw.phase("collective"):
                 dist.all_reduce(mean, group=log_group)
             mean /= rt.world_size
-        # One device-to-host copy per step for all three numbers.
-        local_v, mean_v, norm_v = torch.stack([local, mean, grad_norm.detach().float()]).tolist()
+        # One device-to-host copy per step for all the numbers.
+        values = [local, mean, grad_norm.detach().float()]
+        if scaler is not None:
+            values.append(scaler._get_scale_async().float())
+        if zeros is not None:
+            values.append(zeros.float())
+        local_v, mean_v, norm_v, *more = torch.stack(values).tolist()
         done_step = step
-        tw.step(loss=local_v, grad_norm=norm_v, step=step)
+        tw.step(loss=local_v, grad_norm=norm_v, step=step, lr=float(lr_used),
+                loss_scale=more[0] if scaler is not None else None,
+                zero_grad_frac=more[-1] if zeros is not None else None)
         tw.fault_point("step_end")
         step_s = time.monotonic() - t0
         window_s, window_n = window_s + step_s, window_n + 1
@@ -316,7 +374,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
                 ckpt.save_checkpoint(
                     cfg.ckpt_dir,
                     step,
-                    _state_dict(model, opt, step, cfg, rt),
+                    _state_dict(model, opt, step, cfg, rt, scaler),
                     keep=cfg.keep,
                     rank=rt.rank,
                     world_size=rt.world_size,
