@@ -44,11 +44,28 @@ FAULTS = {
     "crash": (f"crash:rank={CULPRIT},step=8", "crash",
               "notices the exit within its 0.1 s monitor interval; the peers' gloo errors follow"),
     "straggler": (f"straggler:delay=0.3,rank={CULPRIT},step=5", "straggler", "nothing: the job just runs slower"),
+    # The same straggler in an unmodified DDP script (FAULT_WORKLOAD): found by collective arrival order.
+    "straggler_zero_code": (f"straggler:delay=0.3,rank={CULPRIT},step=5", "straggler",
+                            "nothing: the job just runs slower"),
     "nan": (f"nan:rank={CULPRIT},step=30", "loss_nan", "nothing: training continues on NaN weights"),
     "spike": (f"spike:rank={CULPRIT},step=60", "loss_spike", "nothing"),
     "xid79": (f"xid:code=79,rank={CULPRIT},step=5", "xid", "nothing until the job hangs or crashes"),
     "ecc": (f"ecc:rank={CULPRIT},step=5", "ecc", "nothing"),
+    # Training health (alerts only). lr_stuck needs 20 steps at 0; GradScaler's first 100 steps set no
+    # reference for a fall; the loss trend runs with a 100-step window here (FAULT_FLAGS).
+    "lr_zero": (f"lr:value=0,rank={CULPRIT},step=30", "lr_stuck", "nothing: the rank trains with a learning rate of 0"),
+    "dead_grad": (f"dead_grad:rank={CULPRIT},step=30", "dead_grad", "nothing: the model stops learning"),
+    "scale_collapse": (f"scale_collapse:rank={CULPRIT},step=150", "loss_scale_collapse",
+                       "nothing: every step is skipped while the scale halves towards 0"),
+    "loss_rise": (f"loss_rise:rank={CULPRIT},step=120,rate=0.02", "loss_trend", "nothing"),
+    "slow_step": (f"slow_step:where=data,delay=1.5,rank={CULPRIT},step=150", "step_time_spike",
+                  "nothing: one step 1.5 s slower, every rank waiting for it"),
 }
+
+FAULT_FLAGS = {"loss_rise": ["--trend-window-steps", "100"]}
+"""Extra watchdog flags of a fault's run (documented launch flags, not code changes)."""
+FAULT_WORKLOAD = {"straggler_zero_code": [str(ROOT / "tests" / "scripts" / "plain_ddp.py"), "--steps", "100000"]}
+"""Faults run in another workload than the integrated trainer (TRAINER)."""
 
 
 def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float) -> dict:
@@ -56,7 +73,7 @@ def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float) -> di
     klog = home / "kern.log"
     klog.write_text("")
     proc = launch(home, "--nproc-per-node", str(ranks), "--job", name, "--no-restart", "--inject", spec,
-                  "--kernel-log", str(klog), *TRAINER)
+                  "--kernel-log", str(klog), *FAULT_FLAGS.get(name, []), *FAULT_WORKLOAD.get(name, TRAINER))
     try:
         found = wait_for(lambda: [e for e in events(home, name) if e["kind"] == kind], timeout)
         fired = faults_fired(home, name)

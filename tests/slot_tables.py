@@ -11,6 +11,8 @@ from trainwatch import slots
 from trainwatch.watchdog.detectors.base import RankExit, TickView
 
 _GROUP_FIELDS = ("pg", "enqueued", "completed", "last_op")
+HEALTH_FIELDS = ("lr", "loss_scale", "zero_grad_frac", "data_s", "backward_s", "optimizer_s", "peak_step_s",
+                 "peak_data_s", "peak_backward_s", "peak_optimizer_s")
 
 
 def make_table(
@@ -50,6 +52,8 @@ def make_table(
     t["ngroups"] = 1
     t["io_bytes"] = -1
     t["cpu_s"] = np.nan
+    for name in HEALTH_FIELDS:  # not reported, as a rank that publishes none of them
+        t[name] = np.nan
     if step > 0:
         set_ring(t, step, colls=t["py_collectives"], seq=3 * step)
     seq = 3 * step if enqueued is None else enqueued

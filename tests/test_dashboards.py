@@ -282,6 +282,8 @@ STEPS = 90
 # return data: the run below produces every other signal the dashboards show.
 EMPTY_OK = {
     "Stalled ranks": "no rank stays 60 s without a step: the hang is detected and restarted in seconds",
+    "Loss scale": "the trainer runs without a GradScaler here (only its scale_collapse fault turns one on)",
+    "Loss trend slope": "90 steps are fewer than the loss trend window needs for a fit",
 }
 
 

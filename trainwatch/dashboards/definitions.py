@@ -110,6 +110,29 @@ def overview_dashboard() -> dm.Dashboard:
             "Gradient norm at each rank's last step. A sudden climb often comes a few steps before a loss spike or NaN.",
             [query(f"trainwatch_grad_norm{{{RANK}}}", RANK_LEGEND)],
         ))
+        .with_panel(graph(
+            "Learning rate",
+            "Learning rate of each rank's first param group. It should warm up, then decay; flat at 0 past the first steps, or flat at its peak for far longer than the warmup, is the lr_stuck incident.",
+            [query(f"trainwatch_learning_rate{{{RANK}}}", RANK_LEGEND)],
+            span=8, minimum=0,
+        ))
+        .with_panel(graph(
+            "Loss scale",
+            "fp16 loss scale (GradScaler) per rank, log scale. Halving now and then is normal; falling step after step means gradients keep overflowing (loss_scale_collapse). Empty with bf16 or fp32.",
+            [query(f"trainwatch_loss_scale{{{RANK}}}", RANK_LEGEND)],
+            span=8, log=2,
+        ))
+        .with_panel(graph(
+            "Zero gradient elements",
+            "Fraction of gradient elements exactly zero. Healthy is a few percent; above half for long is vanishing_grad, all of them is dead_grad.",
+            [query(f"trainwatch_zero_grad_fraction{{{RANK}}}", RANK_LEGEND)],
+            unit="percentunit", span=8, minimum=0, maximum=1,
+        ))
+        .with_panel(graph(
+            "Loss trend slope",
+            "Robust slope of each rank's loss over the loss trend window, in loss per step: below 0 while the loss improves, near 0 on a plateau, above 0 when it rises (loss_trend).",
+            [query(f"trainwatch_loss_trend_slope{{{RANK}}}", RANK_LEGEND)],
+        ))
         .with_row(db.Row("Step time"))
         .with_panel(graph(
             "Step duration p50 / p99",
@@ -126,10 +149,16 @@ def overview_dashboard() -> dm.Dashboard:
             [query(MEAN_STEP, RANK_LEGEND)],
             unit="s", minimum=0,
         ))
+        .with_panel(graph(
+            "Time per phase",
+            "Seconds each rank's last step spent in data loading, backward (with the gradient all-reduce: waiting for peers shows here) and the optimizer. A step time spike names the phase that grew.",
+            [query(f"trainwatch_phase_seconds{{{RANK}}}", RANK_LEGEND + " {{phase}}")],
+            unit="s", minimum=0,
+        ))
         .with_row(db.Row("Incidents and restarts"))
         .with_panel(graph(
             "Incidents by kind",
-            "Incidents raised over time by detector kind (hang, collective_mismatch, straggler, crash, loss_nan, loss_spike, grad_explosion, xid, ecc, restart).",
+            "Incidents raised over time by detector kind (hang, collective_mismatch, straggler, crash, loss_nan, loss_spike, grad_explosion, dead_grad, vanishing_grad, lr_stuck, loss_scale_collapse, loss_trend, step_time_spike, xid, ecc, restart).",
             [query(f"sum by (kind) (increase({_incidents()}[$__rate_interval])) > 0", "{{kind}}")],
             bars=True, minimum=0,
         ))

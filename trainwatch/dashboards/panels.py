@@ -92,6 +92,7 @@ def graph(
     maximum: float | None = None,
     stepped: bool = False,
     bars: bool = False,
+    log: int | None = None,
 ) -> timeseries.Panel:
     panel = _common(timeseries.Panel(), title, description, span, height).unit(unit).legend(
         cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.LIST).placement(cm.LegendPlacement.BOTTOM).show_legend(True)
@@ -110,6 +111,8 @@ def graph(
         panel = panel.line_interpolation(cm.LineInterpolation.STEP_AFTER)
     if bars:  # sparse event counts read better as bars than as a line
         panel = panel.draw_style(cm.GraphDrawStyle.BARS).fill_opacity(80)
+    if log is not None:  # values that move by factors (a loss scale halving) on a log axis of this base
+        panel = panel.scale_distribution(cb.ScaleDistributionConfig().type(cm.ScaleDistribution.LOG).log(log))
     return _with_targets(panel, targets)
 
 

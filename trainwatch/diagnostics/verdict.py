@@ -47,7 +47,16 @@ CATEGORY_RUNBOOK = {
     "loss_nan": "loss-nan",
     "loss_spike": "loss-spike",
     "grad_explosion": "grad-explosion",
+    "dead_grad": "dead-grad",
+    "vanishing_grad": "vanishing-grad",
+    "lr_stuck": "lr-stuck",
+    "loss_scale_collapse": "loss-scale-collapse",
+    "loss_trend": "loss-trend",
+    "step_time_spike": "step-time-spike",
 }
+ALERT_ONLY_KINDS = ("straggler", "loss_spike", "loss_nan", "grad_explosion", "dead_grad", "vanishing_grad", "lr_stuck",
+                    "loss_scale_collapse", "loss_trend", "step_time_spike")
+"""Incident kinds that leave a job running: the healthy verdict mentions the last one."""
 FALLBACK_RUNBOOK = "hang"
 """Runbook of a category the table does not know, or of an incident that named none."""
 PHASE_CATEGORY = {"data": "dataloader", "checkpoint": "checkpoint_io"}
@@ -138,7 +147,7 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
                        [f"rank {r['rank']}: process {r['pid']} is gone" for r in gone])
     if not stalled:
         lp = max((r.get("last_progress_s") or 0) for r in ranks)
-        recent = [i for i in incidents if i.get("kind") in ("straggler", "loss_spike", "loss_nan", "grad_explosion")]
+        recent = [i for i in incidents if i.get("kind") in ALERT_ONLY_KINDS]
         note = f"; last incident: {recent[-1]['kind']}" if recent else ""
         return Verdict(
             "healthy", [],

@@ -25,6 +25,9 @@ FLAG_PREFIXES = {
     ("detectors", "collective_mismatch"): "mismatch-",
     ("detectors", "straggler"): "straggler-",
     ("detectors", "loss_health"): "loss-",
+    ("detectors", "training_health"): "health-",
+    ("detectors", "loss_trend"): "trend-",
+    ("detectors", "step_time"): "step-time-",
     ("detectors", "exits"): "exit-",
     ("detectors",): "detectors-",
 }

@@ -235,6 +235,10 @@ class _SyntheticJob:
         t["grad_norm"] = np.nan
         t["step_s"] = np.nan
         t["compute_s"] = np.nan
+        for name in ("data_s", "backward_s", "optimizer_s", "peak_step_s", "peak_data_s", "peak_backward_s",
+                     "peak_optimizer_s"):
+            t[name] = np.nan
+        t["loss_scale"] = 65536.0
         self.table = t
         self.nodes = [f"node{i // 8}" for i in range(nranks)]
 
@@ -247,6 +251,9 @@ class _SyntheticJob:
         t["grad_norm"] = np.abs(rng.normal(1.0, 0.2, n))
         t["step_s"] = self.tick_s * (1 + rng.normal(0, 0.02, n))
         t["compute_s"] = t["step_s"] * 0.6 * (1 + rng.normal(0, 0.02, n))
+        t["lr"] = 1e-3 * np.minimum(1.0, step / 100.0) * (0.5 + 0.5 * np.cos(step / 5000.0))
+        t["zero_grad_frac"] = rng.uniform(0.0, 0.02, n)
+        t["data_s"], t["backward_s"], t["optimizer_s"] = 0.1 * t["step_s"], 0.4 * t["step_s"], 0.1 * t["step_s"]
         t["progress_mono"] = self.now - rng.uniform(0, 0.05, n)
         t["phase_mono"] = t["progress_mono"] + 0.001
         t["py_collectives"] += 2

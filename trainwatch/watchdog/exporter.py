@@ -26,7 +26,8 @@ LISTEN_BACKLOG = 256
 """Connections the kernel queues while every handler is busy (Python's default is 5)."""
 
 INCIDENT_KINDS = ("hang", "collective_mismatch", "straggler", "crash", "loss_nan", "loss_spike",
-                  "grad_explosion", "xid", "ecc", "restart", "node_lost")
+                  "grad_explosion", "dead_grad", "vanishing_grad", "lr_stuck", "loss_scale_collapse", "loss_trend",
+                  "step_time_spike", "xid", "ecc", "restart", "node_lost")
 
 # Step-duration buckets (seconds): from fast GPU steps to multi-minute ones.
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -130,7 +131,18 @@ class TrainwatchCollector(Collector):
             "Rank compute time over the group median (1.0 = typical).",
             labels=labels,
         )
+        lr = GaugeMetricFamily("trainwatch_learning_rate", "Learning rate of the optimizer's first param group at the "
+                               "last step.", labels=labels)
+        scale = GaugeMetricFamily("trainwatch_loss_scale", "Mixed-precision loss scale (GradScaler) after the last step.",
+                                  labels=labels)
+        zeros = GaugeMetricFamily("trainwatch_zero_grad_fraction", "Fraction of gradient elements exactly zero at the "
+                                  "last step (0-1).", labels=labels)
+        phase_s = GaugeMetricFamily("trainwatch_phase_seconds", "Seconds the last step spent in each phase (data, "
+                                    "backward, optimizer).", labels=labels + ["phase"])
+        trend = GaugeMetricFamily("trainwatch_loss_trend_slope", "Robust (Theil-Sen) slope of the loss over the loss "
+                                  "trend window, in loss units per step (above 0: rising).", labels=labels)
         ratios = sc.straggler_ratios()
+        slopes = _loss_slopes(sc)
         for r in sc.rows():
             lv = [job, r.node, str(r.rank)]
             step.add_metric(lv, float(r.step))
@@ -148,7 +160,13 @@ class TrainwatchCollector(Collector):
             x = ratios.get(r.rank)
             if x is not None and math.isfinite(x):
                 ratio.add_metric(lv, x)
-        yield from (step, loss, grad, age, phase, seq, hb, ratio)
+            for family, value in ((lr, r.lr), (scale, r.loss_scale), (zeros, r.zero_grad_frac),
+                                  (trend, slopes.get(r.rank))):
+                if value is not None and math.isfinite(value):
+                    family.add_metric(lv, value)
+            for name, seconds in r.phase_times.items():
+                phase_s.add_metric(lv + [name], seconds)
+        yield from (step, loss, grad, age, phase, seq, hb, ratio, lr, scale, zeros, phase_s, trend)
 
         hist = HistogramMetricFamily(
             "trainwatch_step_duration_seconds", "Training step duration.", labels=labels
@@ -174,6 +192,13 @@ class TrainwatchCollector(Collector):
         job_metrics = getattr(sc, "job_metrics", None)
         if job_metrics is not None:
             yield from job_metrics()
+
+
+def _loss_slopes(sc: Source) -> dict[int, float]:
+    """{rank: loss trend slope} from the source's loss trend detector, where it runs one."""
+    engine = getattr(sc, "engine", None)
+    det = engine.detector("loss_trend") if engine is not None else None
+    return det.current_slopes() if det is not None else {}
 
 
 class _Handler(_SilentHandler):

@@ -14,7 +14,10 @@ from trainwatch.watchdog.detectors.exits import ExitConfig, ExitDetector
 from trainwatch.watchdog.detectors.hang import HangConfig, HangDetector
 from trainwatch.watchdog.detectors.loss import LossHealthConfig, LossHealthDetector
 from trainwatch.watchdog.detectors.mismatch import CollectiveMismatchConfig, CollectiveMismatchDetector
+from trainwatch.watchdog.detectors.steptime import StepTimeConfig, StepTimeDetector
 from trainwatch.watchdog.detectors.straggler import StragglerConfig, StragglerDetector
+from trainwatch.watchdog.detectors.training import TrainingHealthConfig, TrainingHealthDetector
+from trainwatch.watchdog.detectors.trend import LossTrendConfig, LossTrendDetector
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,6 +34,12 @@ class DetectorsConfig:
     """Straggler detection from per-rank compute time."""
     loss_health: LossHealthConfig = field(default_factory=LossHealthConfig)
     """NaN, loss spike and grad explosion detection."""
+    training_health: TrainingHealthConfig = field(default_factory=TrainingHealthConfig)
+    """Dead and vanishing gradients, a stuck learning rate, a collapsing fp16 loss scale."""
+    loss_trend: LossTrendConfig = field(default_factory=LossTrendConfig)
+    """A rising loss or a loss plateau, from a robust fit over a long window."""
+    step_time: StepTimeConfig = field(default_factory=StepTimeConfig)
+    """Step time spikes, attributed to a phase and split into culprits and ranks that waited."""
     disabled: tuple[str, ...] = ()
     """Detector names to leave out (names as in REGISTRY)."""
 
@@ -43,6 +52,9 @@ REGISTRY: dict[str, Callable[[DetectorsConfig], Detector]] = {
     CollectiveMismatchDetector.name: lambda c: CollectiveMismatchDetector(c.collective_mismatch),
     StragglerDetector.name: lambda c: StragglerDetector(c.straggler),
     LossHealthDetector.name: lambda c: LossHealthDetector(c.loss_health),
+    TrainingHealthDetector.name: lambda c: TrainingHealthDetector(c.training_health),
+    LossTrendDetector.name: lambda c: LossTrendDetector(c.loss_trend),
+    StepTimeDetector.name: lambda c: StepTimeDetector(c.step_time),
 }
 
 
@@ -68,10 +80,16 @@ __all__ = [
     "HangDetector",
     "LossHealthConfig",
     "LossHealthDetector",
+    "LossTrendConfig",
+    "LossTrendDetector",
     "REGISTRY",
     "RankExit",
+    "StepTimeConfig",
+    "StepTimeDetector",
     "StragglerConfig",
     "StragglerDetector",
     "TickView",
+    "TrainingHealthConfig",
+    "TrainingHealthDetector",
     "default_detectors",
 ]

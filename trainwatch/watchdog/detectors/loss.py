@@ -185,6 +185,11 @@ class LossHealthDetector(Detector):
         grad, _grad_at = _worst(t, all_rows, "grad_norm", "peak_grad", "peak_grad_step", nan_wins=True)
         bad_loss = started & ~np.isfinite(loss) & (self._seen_loss[ranks] | np.isinf(loss))
         bad_grad = started & ~np.isfinite(grad) & (self._seen_grad[ranks] | np.isinf(grad))
+        if "loss_scale" in (t.dtype.names or ()):
+            # With an fp16 loss scaler, gradients that overflow are routine: the scaler
+            # skips that step and halves its scale (loss_scale_collapse watches the scale).
+            scale = t["loss_scale"]
+            bad_grad &= ~(np.isfinite(scale) & (scale > 0))
         if not (bad_loss.any() or bad_grad.any()):
             return None
         if bad_loss.sum() > 1:
