@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainwatch.diagnostics import stack_groups, verdict, xid
+from trainwatch.diagnostics import stack_groups, utilisation, verdict, xid
 from trainwatch.diagnostics.catalog import PATTERNS
 from trainwatch.diagnostics.findings import ERROR_CATEGORIES
 from trainwatch.diagnostics.runbooks import (
@@ -62,6 +62,7 @@ def _runbook_ids_named_anywhere() -> list[tuple[str, str]]:
     named += [(xid.ECC_RUNBOOK, "xid.ECC_RUNBOOK"), (xid.XID_RUNBOOK, "xid.XID_RUNBOOK")]
     named += [(stack_groups.FALLBACK_RUNBOOK, "stack_groups.FALLBACK_RUNBOOK"),
               (stack_groups.CRASH_RUNBOOK, "stack_groups.CRASH_RUNBOOK")]
+    named += [(utilisation.RUNBOOK, "utilisation.RUNBOOK")]
     named += [(rid, "runbooks.PRODUCT_RUNBOOKS") for rid in PRODUCT_RUNBOOKS]
     sources = [*sorted((REPO / "trainwatch" / "watchdog" / "detectors").glob("*.py")),
                REPO / "trainwatch" / "watchdog" / "hardware.py"]

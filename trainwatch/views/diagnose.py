@@ -18,6 +18,7 @@ import psutil
 
 from trainwatch import jobstore, liveness, rankrow, slots, state
 from trainwatch.capture import capture_ranks
+from trainwatch.diagnostics import utilisation
 from trainwatch.diagnostics import verdict as verdict_mod
 from trainwatch.diagnostics.stack_groups import StackGroup
 from trainwatch.usage import Parser, fail, printable
@@ -164,7 +165,8 @@ def _starting_report(job_name: str, marker: dict) -> dict:
     age = max(0.0, time.time() - (_num(marker.get("start_time")) or time.time()))
     v = verdict_mod.Verdict("starting", [], f"the launcher (pid {marker['launcher_pid']}) started {age:.0f}s ago "
                             "and is setting up; ranks are not running yet", "starting", 0.9, [])
-    return _report(job_name, "starting", v, [], [], [], [])
+    return _report(job_name, "starting", v, [], [], [], [], utilisation.gpu_utilisation(
+        [], [], skip=utilisation.not_judged("starting", v.category)))
 
 
 def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capture: bool = True,
@@ -211,7 +213,11 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
             r["state"] = "exited"
     hardware = hardware_findings(incidents)
     v = _verdict(job, status, live, ranks, groups, incidents, hardware)
-    return _report(job_name, "running" if status == "running" else status, v, ranks, groups, hardware, incidents)
+    samples, no_samples, simulated = utilisation.samples_from_telemetry(job_dir.telemetry())
+    gpu = utilisation.gpu_utilisation(ranks, samples, no_samples=no_samples, simulated=simulated,
+                                      skip=utilisation.not_judged(status, v.category))
+    return _report(job_name, "running" if status == "running" else status, v, ranks, groups, hardware, incidents,
+                   gpu)
 
 
 def _num(value: Any) -> float:
@@ -255,7 +261,7 @@ def _restart_cause(incidents: list[dict]) -> dict | None:
     return None
 
 
-def _report(job_name, status, v, ranks, groups, hardware, incidents) -> dict:
+def _report(job_name, status, v, ranks, groups, hardware, incidents, gpu: dict) -> dict:
     return {
         "job": job_name,
         "status": status,
@@ -300,6 +306,7 @@ def _report(job_name, status, v, ranks, groups, hardware, incidents) -> dict:
         ],
         "hardware": [{k: h[k] for k in ("gpu", "xid", "meaning", "severity")} | {"rank": h["rank"]} for h in hardware],
         "incidents": incidents[-20:],
+        **gpu,
     }
 
 
@@ -343,6 +350,10 @@ def render(report: dict) -> str:
         lines.append("")
         for h in report["hardware"]:
             lines.append(f"hardware: GPU {h['gpu']} Xid {h['xid']} ({h['severity']}): {h['meaning']}")
+    gpu_lines = utilisation.render_lines(report.get("gpu_utilisation"))
+    if gpu_lines:
+        lines.append("")
+        lines.extend(gpu_lines)
     if report["incidents"]:
         lines.append("")
         lines.append(f"incidents ({len(report['incidents'])} most recent):")

@@ -223,6 +223,15 @@ class HardwareMonitor:
                 )
         return out
 
+    def snapshot(self) -> dict:
+        """The last sample of every GPU's utilisation and memory, for telemetry.json
+        (what `trainwatch diagnose` reads)."""
+        rank_of = {g: lr for lr, g in self.gpu_of_local_rank.items()}
+        return {"nvml": self.enabled, "simulated": self.injected is not None,
+                "samples": [{"gpu": s.index, "local_rank": rank_of.get(s.index), "utilization_pct": s.utilization_pct,
+                             "memory_used_bytes": s.memory_used_bytes, "memory_total_bytes": s.memory_total_bytes}
+                            for s in self.samples]}
+
     # ---- metrics ------------------------------------------------------------------
 
     def metrics(self, job: str, node: str) -> Iterator:

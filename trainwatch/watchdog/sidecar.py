@@ -153,6 +153,9 @@ class Sidecar:
     def write_snapshot(self) -> None:
         record = {"node": self.node, "time": time.time(), "ranks": self.snapshot(),
                   "hang_thresholds": self.thresholds.describe()}
+        gpus = next((h.snapshot() for h in self._hardware if hasattr(h, "snapshot")), None)
+        if gpus is not None:
+            record["gpus"] = gpus  # per-GPU utilisation and memory for `diagnose`
         self.thresholds.maybe_save()
         if self.jobwide is not None and not self.jobwide.store_failed:
             try:
