@@ -58,7 +58,7 @@ import numpy as np
 
 from trainwatch import slots
 from trainwatch.watchdog.detectors.base import TickView, grow, row_median
-from trainwatch.watchdog.detectors.peers import JITTER_SAMPLE, MAD_TO_SIGMA, peer_median
+from trainwatch.watchdog.detectors.peers import JITTER_SAMPLE, MAD_TO_SIGMA, StepTable, peer_median
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
 _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: consecutive multiples spread evenly
@@ -71,42 +71,18 @@ _CANDIDATES = 64
 SOURCE_NAMES = {slots.ARRIVAL_ENQUEUED: "enqueued", slots.ARRIVAL_STARTED: "started"}
 
 
-class ArrivalTable:
+class ArrivalTable(StepTable):
     """Each rank's arrival times (s, CLOCK_REALTIME) by collective sequence
-    number: column hash(seq) of `depth`, tagged with its seq."""
+    number: column hash(seq) of `depth`, tagged with its seq. Published seqs
+    are multiples of a power-of-two stride, which `seq % depth` would pile
+    into a few columns; Fibonacci hashing spreads them."""
 
     def __init__(self, bits: int = 6):
-        self.depth = 1 << bits
+        super().__init__(1 << bits)
         self._shift = np.uint64(64 - bits)
-        self.seq = np.zeros((0, self.depth), dtype=np.int64)
-        self.t = np.full((0, self.depth), np.nan)
 
     def column(self, seqs: np.ndarray) -> np.ndarray:
         return ((seqs.astype(np.uint64) * _FIB) >> self._shift).astype(np.intp)
-
-    def _ensure(self, size: int) -> None:
-        if size > len(self.seq):
-            self.seq = grow(self.seq, size, 0)
-            self.t = grow(self.t, size, np.nan)
-
-    def put(self, ranks: np.ndarray, seqs: np.ndarray, t: np.ndarray) -> None:
-        if len(ranks):
-            self._ensure(int(ranks.max()) + 1)
-            at = ranks * self.depth + self.column(seqs)
-            self.seq.reshape(-1)[at] = seqs
-            self.t.reshape(-1)[at] = t
-
-    def reset(self, ranks: np.ndarray) -> None:
-        if len(ranks):
-            self._ensure(int(ranks.max()) + 1)
-            self.seq[ranks] = 0
-            self.t[ranks] = np.nan
-
-    def matrix(self, ranks: np.ndarray, seqs: np.ndarray) -> np.ndarray:
-        """(len(ranks), len(seqs)) arrival times, NaN where a rank has none for that seq."""
-        self._ensure(int(ranks.max()) + 1 if len(ranks) else 0)
-        at = ranks[:, None] * self.depth + self.column(seqs)[None, :]
-        return np.where(np.take(self.seq, at) == seqs[None, :], np.take(self.t, at), np.nan)
 
 
 class ArrivalEvaluator:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainwatch.watchdog.detectors.base import grow
+
 MAD_TO_SIGMA = 0.6745
 """Multiplying a MAD by 1 / 0.6745 makes it a standard-deviation estimate for normal data."""
 JITTER_SAMPLE = 256
@@ -41,3 +43,43 @@ def peer_median(m: np.ndarray) -> np.ndarray:
         above = s[cols, np.minimum(i + 1, n_rows - 1)]
         ref += (1.0 if both else 0.5) * np.where(m <= here[None, :], above[None, :], here[None, :])
     return np.where(present & (peers >= 1)[None, :], ref, np.nan)
+
+
+class StepTable:
+    """Each rank's values by an integer key (a step number, a collective's
+    sequence number), the last `depth` keys: entry `column(key)`, tagged with
+    its key so a stale entry is never read."""
+
+    def __init__(self, depth: int):
+        if depth < 1:
+            raise ValueError(f"history depth must be >= 1; got {depth}")
+        self.depth = depth
+        self.value = np.full((0, depth), np.nan)
+        self.step = np.zeros((0, depth), dtype=np.int64)
+
+    def column(self, keys: np.ndarray) -> np.ndarray:
+        return keys % self.depth
+
+    def _ensure(self, size: int) -> None:
+        if size > len(self.value):
+            self.value = grow(self.value, size, np.nan)
+            self.step = grow(self.step, size, 0)
+
+    def put(self, ranks: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
+        if len(ranks):
+            self._ensure(int(ranks.max()) + 1)
+            col = self.column(keys)
+            self.value[ranks, col] = values
+            self.step[ranks, col] = keys
+
+    def reset(self, ranks: np.ndarray) -> None:
+        if len(ranks):
+            self._ensure(int(ranks.max()) + 1)
+            self.value[ranks] = np.nan
+            self.step[ranks] = 0
+
+    def matrix(self, ranks: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """(len(ranks), len(keys)) values, NaN where a rank has none for that key."""
+        self._ensure(int(ranks.max()) + 1 if len(ranks) else 0)
+        at = (ranks[:, None], self.column(keys)[None, :])
+        return np.where(self.step[at] == keys[None, :], self.value[at], np.nan)

@@ -75,7 +75,7 @@ from trainwatch.watchdog.detectors.arrival import ArrivalEvaluator
 from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, row_median
 from trainwatch.watchdog.detectors.peers import JITTER_SAMPLE as _JITTER_SAMPLE
 from trainwatch.watchdog.detectors.peers import MAD_TO_SIGMA as _MAD_TO_SIGMA
-from trainwatch.watchdog.detectors.peers import peer_median
+from trainwatch.watchdog.detectors.peers import StepTable, peer_median
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
 __all__ = ["StepTable", "StragglerConfig", "StragglerDetector", "peer_median"]
@@ -132,42 +132,6 @@ class StragglerConfig:
         if not isinstance(self.arrival_last_fraction, (int, float)) or not 0 <= self.arrival_last_fraction <= 1:
             raise ValueError(f"--straggler-arrival-last-fraction must be a number from 0 to 1; "
                              f"got {self.arrival_last_fraction!r}")
-
-
-class StepTable:
-    """Each rank's compute time by step number, the last `depth` steps: entry
-    `step % depth`, tagged with its step so a stale entry is never read."""
-
-    def __init__(self, depth: int):
-        if depth < 1:
-            raise ValueError(f"history depth must be >= 1; got {depth}")
-        self.depth = depth
-        self.value = np.full((0, depth), np.nan)
-        self.step = np.zeros((0, depth), dtype=np.int64)
-
-    def _ensure(self, size: int) -> None:
-        if size > len(self.value):
-            self.value = grow(self.value, size, np.nan)
-            self.step = grow(self.step, size, 0)
-
-    def put(self, ranks: np.ndarray, steps: np.ndarray, values: np.ndarray) -> None:
-        if len(ranks):
-            self._ensure(int(ranks.max()) + 1)
-            col = steps % self.depth
-            self.value[ranks, col] = values
-            self.step[ranks, col] = steps
-
-    def reset(self, ranks: np.ndarray) -> None:
-        if len(ranks):
-            self._ensure(int(ranks.max()) + 1)
-            self.value[ranks] = np.nan
-            self.step[ranks] = 0
-
-    def matrix(self, ranks: np.ndarray, steps: np.ndarray) -> np.ndarray:
-        """(len(ranks), len(steps)) compute times, NaN where a rank has none for that step."""
-        self._ensure(int(ranks.max()) + 1 if len(ranks) else 0)
-        at = (ranks[:, None], (steps % self.depth)[None, :])
-        return np.where(self.step[at] == steps[None, :], self.value[at], np.nan)
 
 
 class StragglerDetector(Detector):
