@@ -162,7 +162,7 @@ def test_every_reference_resolves_and_every_query_filters():
             # Every selector filters by job and node; those with a rank label by rank too.
             for metric, matchers in re.findall(r"(trainwatch_\w+)\{([^}]*)\}", expr):
                 assert 'job=~"$job"' in matchers and 'node=~"$node"' in matchers, (where, metric)
-                if not metric.startswith(("trainwatch_incidents", "trainwatch_restarts")):
+                if not metric.startswith(("trainwatch_incident", "trainwatch_restarts")):
                     assert 'rank=~"$rank"' in matchers, (where, metric)
             assert not re.search(r"trainwatch_\w+(?![\w{])", expr), f"{where}: unfiltered metric in {expr}"
 
@@ -201,7 +201,10 @@ def test_each_dashboard_covers_its_signals():
     assert threshold_of(overview, "Last progress age") == STALL_SECONDS
     assert threshold_of(ranks, "Straggler slowdown ratio") == STRAGGLER_RATIO
     rules = {r["alert"]: r["expr"] for r in alert_rules()}
-    assert f"> {STALL_SECONDS}" in rules["TrainwatchRankStalled"] and f"> {STRAGGLER_RATIO}" in rules["TrainwatchStraggler"]
+    from trainwatch.watchdog.detectors.straggler import StragglerConfig
+
+    # The straggler alert pages on the open incident; the ratio line is the detector's own.
+    assert f"> {STALL_SECONDS}" in rules["TrainwatchRankStalled"] and StragglerConfig().ratio == STRAGGLER_RATIO
 
 
 # ---- Grafana provisioning ----------------------------------------------------------------
@@ -250,6 +253,20 @@ def test_every_alert_has_a_firing_unit_test():
     names = {r["alert"] for r in alert_rules()}
     assert names <= firing, f"alerts with no firing test: {names - firing}"
     assert REQUIRED_ALERTS - {"TrainwatchGpuEccUncorrected", "TrainwatchRestartLoop"} <= quiet  # and a not-yet case
+
+
+def test_every_incident_kind_pages_while_open():
+    """Each kind of kinds.KINDS is paged by a rule on trainwatch_incident_open
+    (GPU faults page on their own per-GPU counters, which name the Xid)."""
+    from trainwatch import kinds
+
+    paged = set()
+    for rule in alert_rules():
+        if "trainwatch_incident_open" not in rule["expr"]:
+            continue
+        for m in re.finditer(r'kind=~?"([^"]+)"', rule["expr"]):
+            paged.update(m.group(1).split("|"))
+    assert set(kinds.KINDS) - {"xid", "ecc"} <= paged, set(kinds.KINDS) - {"xid", "ecc"} - paged
 
 
 def _born_above_zero(values: str) -> bool:
@@ -306,8 +323,8 @@ def test_promtool_check_and_test_rules():
 def test_promtool_catches_a_broken_alert(tmp_path):
     """The unit tests have teeth: a rule whose threshold drifts fails them."""
     shutil.copy(OUT / "alert-rules.test.yml", tmp_path / "alert-rules.test.yml")
-    text = (OUT / "alert-rules.yml").read_text().replace("trainwatch_straggler_slowdown_ratio > 1.5",
-                                                         "trainwatch_straggler_slowdown_ratio > 2.5")
+    text = (OUT / "alert-rules.yml").read_text().replace('trainwatch_incident_open{kind="straggler"}) > 0\n        for: 5m',
+                                                         'trainwatch_incident_open{kind="straggler"}) > 0\n        for: 10m')
     (tmp_path / "alert-rules.yml").write_text(text)
     r = subprocess.run([PROMTOOL, "test", "rules", str(tmp_path / "alert-rules.test.yml")], capture_output=True, text=True)
     assert r.returncode != 0 and "TrainwatchStraggler" in r.stdout + r.stderr

@@ -105,6 +105,6 @@ def merge_events(events: list[dict]) -> list[dict]:
                 continue  # a job incident that every node of a shared home recorded
             by_id[str(record["id"])] = record
         if record["kind"] != "restart":
-            record.setdefault("status", "open")
+            record["status"] = "open"  # until a `resolved` record names it
         out.append(record)
     return [typed_incident(record) for record in out]

@@ -171,6 +171,13 @@ def overview_dashboard() -> dm.Dashboard:
         ))
         .with_row(db.Row("Incidents and restarts"))
         .with_panel(graph(
+            "Open incidents",
+            "Incidents open now, by kind and severity: from detection until trainwatch resolves them (a hang until the "
+            "job trains again, a straggler until it has been gone a minute). The alerts page on these.",
+            [query(f"sum by (kind, severity) (trainwatch_incident_open{{{NODE}}}) > 0", "{{kind}} ({{severity}})")],
+            stepped=True, minimum=0,
+        ))
+        .with_panel(graph(
             "Incidents by kind",
             "Incidents raised over time by detector kind (hang, collective_mismatch, straggler, crash, loss_nan, loss_spike, grad_explosion, dead_grad, vanishing_grad, lr_stuck, loss_scale_collapse, loss_trend, step_time_spike, xid, ecc, restart).",
             [query(events(_incidents(), "$__rate_interval", "kind"), "{{kind}}")],

@@ -40,7 +40,7 @@ GPU_LEGEND = "{{node}} gpu {{gpu}}"
 STALL_SECONDS = 60
 """Progress age that alert-rules.yml calls a stalled rank; drawn as a threshold line."""
 STRAGGLER_RATIO = 1.5
-"""Slowdown ratio that alert-rules.yml calls a straggler; drawn as a threshold line."""
+"""Compute slowdown ratio the straggler detector calls a straggler (StragglerConfig.ratio); drawn as a threshold line."""
 
 
 # ---- queries ------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
 
     from_groups = {k: g for g in groups for k in g.ranks}
     live_incident = next((i for i in reversed(still_open) if i.get("kind") in ("hang", "collective_mismatch")), None)
-    culprits, why = _culprits(ranks, stall_s)
+    culprits, why = _culprits(ranks, limits)
     odd = odd_one_out(groups) if groups else None
     confidence = 0.6 if culprits else 0.45
     if not culprits:
@@ -263,9 +263,11 @@ def _from_open(incident: dict, groups: list[Any], prefix: str = "open incident")
                    runbook, 0.9, [str(incident.get("summary", ""))])
 
 
-def _culprits(ranks: list[dict], stall_s: float) -> tuple[list[int], dict[int, list[str]]]:
-    """The shared culprit rule over diagnose's rows, with the reasons for each culprit."""
+def _culprits(ranks: list[dict], limits: dict[int, float]) -> tuple[list[int], dict[int, list[str]]]:
+    """The shared culprit rule over diagnose's rows (each rank held to its own
+    threshold), with the reasons for each culprit."""
     n = len(ranks)
+    stall_s = np.array([limits[r["rank"]] for r in ranks], dtype=float)
 
     def col(key: str, default: float) -> np.ndarray:
         return np.array([r.get(key) if isinstance(r.get(key), (int, float)) else default for r in ranks], dtype=float)
@@ -276,7 +278,7 @@ def _culprits(ranks: list[dict], stall_s: float) -> tuple[list[int], dict[int, l
     hb = col("heartbeat_age_s", np.nan)
     fresh = bool((hb <= HEARTBEAT_STALE_S).any())
     facts = Facts(
-        step=step, age=age, base=np.full(n, stall_s),
+        step=step, age=age, base=stall_s,
         in_wait=np.array([p in slots.WAIT_PHASES for p in phase]),
         lenient=np.array([p in slots.SLOW_PHASES for p in phase]) & (step >= 1),
         started=step >= 1,

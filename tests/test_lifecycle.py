@@ -1,0 +1,222 @@
+"""One fault, one incident: the lifecycle of an incident (open, counted while it
+persists, resolved when its condition is over), the one table of incident
+kinds, the records that carry it through events.jsonl, the exporter's open
+gauge and the verdict that reads it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+from slot_tables import make_table, set_rows, view
+
+from trainwatch import kinds, records
+from trainwatch.diagnostics import verdict
+from trainwatch.watchdog import engine as engine_mod
+from trainwatch.watchdog.detectors.base import Detector
+from trainwatch.watchdog.engine import DetectorEngine, EngineConfig
+from trainwatch.watchdog.exporter import INCIDENT_KINDS, _open_incidents
+from trainwatch.watchdog.incident import Incident
+
+
+class Scripted(Detector):
+    name = "scripted"
+
+    def __init__(self) -> None:
+        self.next: list[Incident] = []
+
+    def check(self, view):
+        out, self.next = self.next, []
+        return out
+
+
+def run(engine, scripted, t, reports, *, start=100.0, dt=1.0):
+    """Tick once per entry of `reports` (an incident or None); returns (opened, resolved)."""
+    opened, resolved, now = [], [], start
+    for report in reports:
+        now += dt
+        scripted.next = [report()] if report else []
+        opened += engine.tick(view(t, now))
+        resolved += engine.take_resolved()
+    return opened, resolved
+
+
+def straggler():
+    return Incident(kind="straggler", culprit_ranks=[2], summary="rank 2 is slow", severity="medium")
+
+
+def test_a_persistent_straggler_with_dips_is_one_incident_resolved_once():
+    """Its rank keeps stepping (which once re-armed the key at every dip) and the
+    detector's verdict flickers; still one incident, counted, then resolved
+    after it was gone for the hold time."""
+    scripted = Scripted()
+    engine = DetectorEngine([scripted], config=EngineConfig(rearm_s=60.0))
+    t = make_table(4, step=10)
+    opened, resolved, now = [], [], 100.0
+    for i in range(20 * 60):  # 20 minutes, one tick a second
+        now += 1.0
+        t["step"] += 1  # every rank trains on
+        dip = i % 40 in (10, 11, 12) or 300 <= i < 330  # short dips and a 30 s one
+        scripted.next = [] if dip else [straggler()]
+        opened += engine.tick(view(t, now))
+        resolved += engine.take_resolved()
+    assert len(opened) == 1 and resolved == []
+    assert [i.kind for i in engine.open_incidents()] == ["straggler"]
+    for _ in range(61):  # it went away: resolved after the hold time, once
+        now += 1.0
+        opened += engine.tick(view(t, now))
+        resolved += engine.take_resolved()
+    assert len(opened) == 1 and len(resolved) == 1
+    done = resolved[0]
+    assert done.incident is opened[0] and done.count > 1000 and done.duration_s == pytest.approx(1199, abs=1)
+    assert "not seen" in done.reason and engine.open_incidents() == []
+
+
+def test_a_nan_streak_is_one_incident():
+    scripted = Scripted()
+    engine = DetectorEngine([scripted])
+    t = make_table(4, step=10)
+    nan = lambda: Incident(kind="loss_nan", culprit_ranks=[1], summary="NaN", severity="critical")  # noqa: E731
+    opened, resolved = [], []
+    for k in range(30):
+        set_rows(t, [0, 1, 2, 3], step=11 + k)
+        o, r = run(engine, scripted, t, [nan], start=100.0 + k)
+        opened += o
+        resolved += r
+    assert len(opened) == 1 and resolved == []
+
+
+def test_a_hang_resolves_when_its_rank_trains_again_and_a_new_stall_is_a_new_incident():
+    scripted = Scripted()
+    engine = DetectorEngine([scripted])
+    t = make_table(4, step=10)
+    hang = lambda: Incident(kind="hang", culprit_ranks=[1], summary="stuck", severity="high")  # noqa: E731
+    opened, resolved = run(engine, scripted, t, [hang, hang, hang, None])
+    assert len(opened) == 1 and resolved == []  # quiet, but no progress yet: still open
+    set_rows(t, 1, step=11)
+    opened2, resolved = run(engine, scripted, t, [None], start=110.0)
+    assert opened2 == [] and [r.reason for r in resolved] == ["its ranks made progress"]
+    opened3, _ = run(engine, scripted, t, [hang], start=120.0)
+    assert len(opened3) == 1 and opened3[0] is not opened[0]
+
+
+def test_a_restarted_culprit_ends_the_old_incident():
+    scripted = Scripted()
+    engine = DetectorEngine([scripted])
+    t = make_table(4, step=10)
+    opened, _ = run(engine, scripted, t, [straggler, straggler])
+    set_rows(t, 2, pid=9999, step=3)  # a new process of rank 2
+    opened2, resolved = run(engine, scripted, t, [straggler], start=200.0)
+    assert len(opened) == 1 and len(opened2) == 1 and [r.reason for r in resolved] == ["its ranks restarted"]
+
+
+def test_hardware_events_share_the_lifecycle():
+    engine = DetectorEngine([])
+    t = make_table(4, step=10)
+    xid = Incident(kind="xid", culprit_ranks=[3], summary="Xid 79", severity="critical", key="xid:3:79")
+    assert engine.tick(view(t, 100.0), extra=[xid]) == [xid]
+    assert engine.tick(view(t, 101.0)) == [] and engine.take_resolved() == []
+    set_rows(t, 3, step=12)
+    engine.tick(view(t, 102.0))
+    [done] = engine.take_resolved()
+    assert done.incident is xid
+
+
+def test_kinds_are_declared_once_and_everything_derives_from_them():
+    assert set(INCIDENT_KINDS) == set(kinds.KINDS)
+    assert engine_mod.MUTES == kinds.MUTES
+    assert set(verdict.ALERT_ONLY_KINDS) == {k for k, s in kinds.KINDS.items() if s.response is kinds.Response.ALERT}
+    for name, spec in kinds.KINDS.items():
+        assert spec.severity in ("info", "low", "medium", "high", "critical"), name
+        from trainwatch.diagnostics.runbooks import get_runbook
+
+        assert get_runbook(spec.runbook), (name, spec.runbook)
+
+
+def test_events_merge_into_one_record_per_incident():
+    events = [
+        {"kind": "hang", "id": "a", "summary": "rank 1 stuck", "culprit_ranks": [1], "runbook": "hang"},
+        {"kind": "action", "incident": "a", "verdict": {"category": "dataloader", "runbook": "dataloader-stall"}},
+        {"kind": "straggler", "id": "b", "culprit_ranks": [2]},
+        {"kind": "resolved", "incident": "a", "time": 5.0, "duration_s": 7.5, "count": 12, "reason": "its ranks restarted"},
+        {"kind": "restart", "id": "r1", "incident": "a", "summary": "restart 1"},
+    ]
+    merged = records.merge_events(events)
+    a, b, r = merged
+    assert (a["status"], a["duration_s"], a["count"], a["runbook"]) == ("resolved", 7.5, 12, "dataloader-stall")
+    assert b["status"] == "open" and "status" not in r
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(["kind", "id", "incident", "duration_s", "count", "reason", "verdict",
+                                                 "culprit_ranks", "status"]),
+                                st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=5),
+                                          st.lists(st.integers(), max_size=3),
+                                          st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2))),
+                max_size=12))
+def test_hostile_events_merge_without_a_traceback(events):
+    for record in records.merge_events(events):
+        assert isinstance(record["kind"], str)
+        assert record.get("status") in (None, "open", "resolved")
+
+
+class OpenSource:
+    job, node = "j", "n"
+
+    def __init__(self, opened):
+        self.opened = opened
+
+    def open_incidents(self):
+        return self.opened
+
+
+def test_open_gauge_counts_open_incidents_from_zero():
+    import time
+
+    source = OpenSource([{"kind": "straggler", "severity": "medium", "opened_time": time.time() - 42},
+                         {"kind": "hang", "severity": "high", "opened_time": time.time() - 3}])
+    text = "\n".join(f"{m.name} {s.labels} {s.value}" for m in _open_incidents("j", source) for s in m.samples)
+    assert "trainwatch_incident_open {'job': 'j', 'node': 'n', 'kind': 'straggler', 'severity': 'medium'} 1.0" in text
+    assert "trainwatch_incident_open {'job': 'j', 'node': 'n', 'kind': 'loss_nan', 'severity': 'critical'} 0.0" in text
+    ages = {s.labels["kind"]: s.value for m in _open_incidents("j", source) for s in m.samples
+            if m.name == "trainwatch_incident_open_age_seconds"}
+    assert ages["straggler"] == pytest.approx(42, abs=1) and ages["hang"] == pytest.approx(3, abs=1)
+
+
+# ---- one judge -------------------------------------------------------------------------
+
+
+def rows(ages, step_s=0.1):
+    return [{"rank": r, "step": 100, "phase": "data", "last_progress_s": a, "step_s": step_s,
+             "heartbeat_age_s": 0.1, "collectives": {"enqueued": 10, "completed": 10, "last_op": "allreduce"}}
+            for r, a in enumerate(ages)]
+
+
+def test_a_rank_idle_short_of_the_threshold_is_suspect_not_healthy():
+    thresholds = {"hang": {"floor_s": 5.0, "k": 5.0, "ranks": {"0": 5.0, "1": 5.0}}}
+    v = verdict.decide(rows([0.05, 4.6]), thresholds=thresholds)
+    assert v.category == "suspect" and v.culprit_ranks == [1] and "5.0s" in v.summary
+    assert verdict.decide(rows([0.05, 0.08]), thresholds=thresholds).category == "healthy"
+
+
+def test_the_thresholds_in_force_decide_when_a_rank_is_hung():
+    """--hang-floor-s 2: a rank idle 2.5 s is past the watchdog's threshold, so
+    diagnose does not call it healthy (its own 5 s floor once did)."""
+    thresholds = {"hang": {"floor_s": 2.0, "k": 5.0, "ranks": {"0": 2.0, "1": 2.0}}}
+    v = verdict.decide(rows([0.05, 2.5]), thresholds=thresholds)
+    assert v.category not in ("healthy", "suspect") and v.culprit_ranks == [1]
+
+
+def test_never_healthy_while_an_incident_is_open():
+    fault = {"kind": "hang", "id": "n-1-1", "culprit_ranks": [1], "summary": "rank 1 stuck", "runbook": "hang",
+             "category": "dataloader", "status": "open"}
+    v = verdict.decide(rows([0.05, 0.05]), incidents=[fault])
+    assert (v.category, v.culprit_ranks, v.runbook) == ("dataloader", [1], "hang") and "n-1-1" in v.summary
+    slow = {"kind": "straggler", "id": "n-1-2", "culprit_ranks": [2], "summary": "rank 2 slow", "runbook": "straggler",
+            "status": "open"}
+    v = verdict.decide(rows([0.05, 0.05]), incidents=[slow])
+    assert (v.category, v.culprit_ranks) == ("straggler", [2])
+    v = verdict.decide(rows([0.05, 0.05]), incidents=[fault | {"status": "resolved"}, slow | {"status": "resolved"}])
+    assert v.category == "healthy"
