@@ -179,6 +179,43 @@ def _nccl_code(m: re.Match[str]) -> dict:
     return {"nccl_code": m.group("code")}
 
 
+# ncclResult_t numbers, as NCCL's "retcode N" and "-> N" lines print them.
+NCCL_RETURN_CODES = {
+    1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+    4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError", 7: "ncclInProgress",
+}
+_PEER = re.compile(r"(?:from|peer|remote peer)\s+(?P<peer>[\w.:%-]+<\d+>)")
+
+
+def _nccl_peer_lost(m: re.Match[str]) -> dict:
+    """An NCCL warning that the other end of a connection went away: the peer process
+    died or its network failed, which NCCL reports as ncclRemoteError."""
+    facts: dict = {"nccl_code": "ncclRemoteError", "peer_lost": True,
+                   "nccl_warning": " ".join(m.group("msg").split())[:300]}
+    peer = _PEER.search(m.group("msg"))
+    if peer:
+        facts["peer"] = peer.group("peer")
+    return facts
+
+
+def _nccl_retcode(m: re.Match[str]) -> dict:
+    """NCCL's proxy failing an operation for a peer rank, with the ncclResult_t it got."""
+    code = int(m.group("code")) if len(m.group("code")) < 4 else None
+    return {"nccl_code": NCCL_RETURN_CODES.get(code), "peer_rank": int(m.group("peer")),
+            "nccl_operation": m.group("oper")}
+
+
+def _nccl_mismatch_rank(m: re.Match[str]) -> dict:
+    """NCCL's own collective-mismatch check, which names the rank to look at."""
+    rank = int(m.group("rank"))
+    return {"ranks": [rank], "rank": rank, "transport": "nccl"}
+
+
+def _nccl_size_mismatch(m: re.Match[str]) -> dict:
+    """NCCL's network plugin receiving a message of another size than it posted."""
+    return {"local_size": int(m.group("local")), "remote_size": int(m.group("remote")), "transport": "nccl"}
+
+
 def _nothing(m: re.Match[str]) -> dict:
     """A message whose only fact is its category."""
     return {}
@@ -326,6 +363,12 @@ RULES: tuple[LineRule, ...] = (
         runbook="watchdog-stuck"),
     # -- desynchronised ranks ----------------------------------------------------------
     LineRule("fingerprint-mismatch", "mismatch", "collective_mismatch", FINGERPRINT_MISMATCH, fingerprint_facts),
+    LineRule("nccl-warn-mismatch", "mismatch", "collective_mismatch", re.compile(
+        r"NCCL\s*WARN\s*Mismatched\s*collective\s*detected.*?around\s*rank\s*(?P<rank>\d{1,9})"),
+        _nccl_mismatch_rank),
+    LineRule("nccl-net-size-mismatch", "mismatch", "collective_mismatch", re.compile(
+        r"collective\s*mismatch\s*error,\s*local\s*size\s*(?P<local>\d{1,18})\s*remote\s*size\s*(?P<remote>\d{1,18})"),
+        _nccl_size_mismatch),
     # -- NCCL errors ---------------------------------------------------------------
     LineRule("nccl-async-error", "async", "nccl_error", re.compile(
         r"Collective\s*" + _WORK + r"\s*" + _words("raised the following async exception:")
@@ -333,6 +376,15 @@ RULES: tuple[LineRule, ...] = (
         _nccl_async, family="nccl-text"),
     LineRule("nccl-error-in", "nccl", "nccl_error", re.compile(
         r"NCCL\s*error\s*(?:in\s*:\s*[^,\s]+\s*,|:)\s*" + _NCCL_DESC), _nccl_line, family="nccl-text"),
+    # NCCL_DEBUG=WARN lines that say the peer of a connection is gone: no "NCCL error"
+    # line may follow (the process that printed them is killed first).
+    LineRule("nccl-warn-peer-lost", "warn", "nccl_error", re.compile(
+        r"NCCL\s*WARN\s*(?P<msg>.*?(?:Connection\s*closed\s*by\s*remote\s*peer|Connection\s*reset\s*by\s*peer"
+        r"|Broken\s*pipe|Got\s*completion\s*(?:from\s*peer\s*\S+\s*)?with\s*(?:error|status)\s*=?\s*\d+).*)"),
+        _nccl_peer_lost),
+    LineRule("nccl-warn-retcode", "retcode", "nccl_error", re.compile(
+        r"NCCL\s*WARN\s*\[[^\]]*\]\s*Failed\s*to\s*execute\s*operation\s*(?P<oper>\w+)\s*from\s*rank\s*"
+        r"(?P<peer>\d{1,9}),\s*retcode\s*(?P<code>\d{1,9})"), _nccl_retcode),
     LineRule("nccl-code", "nccl", "nccl_error", re.compile(
         r"\b(?P<code>nccl(?:UnhandledCudaError|SystemError|InternalError|InvalidArgument|InvalidUsage"
         r"|RemoteError))\s*:"),
@@ -346,6 +398,14 @@ RULES: tuple[LineRule, ...] = (
         _nothing, family="cuda"),
     LineRule("cuda-error-oom", "memory", "oom", re.compile(r"CUDA\s*error\s*:\s*out\s*of\s*memory"),
              _nothing, family="cuda"),
+    # Before torch 1.5: "cuda runtime error (2) : out of memory at ...THCGeneral.cpp:50",
+    # "THCudaCheck FAIL file=... line=271 error=4 : unspecified launch failure".
+    LineRule("cuda-runtime-oom", "cuda", "oom", re.compile(
+        r"(?i)(?:THCudaCheck\s*FAIL\s*file=\S+\s*line=\d+\s*error=\d+|cuda\s*runtime\s*error\s*\(\d+\))"
+        r"\s*:\s*out\s*of\s*memory"), _nothing, family="cuda"),
+    LineRule("cuda-runtime-error", "cuda", "cuda_error", re.compile(
+        r"(?i)(?:THCudaCheck\s*FAIL\s*file=\S+\s*line=\d+\s*error=\d+|cuda\s*runtime\s*error\s*\(\d+\))"
+        r"\s*:\s*(?P<msg>.+?)(?:\s+at\s+\S+:\d+)?\s*$"), _cuda_message, family="cuda"),
     LineRule("cuda-error", "cuda", "cuda_error", re.compile(
         r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
         r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),
@@ -374,6 +434,7 @@ RULES: tuple[LineRule, ...] = (
 _ANCHOR_WORDS = (
     "watchdog", "heartbeat", "signal", "timeout", "timed out", "collective", "enqueued", "either an",
     "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
+    "nccl warn", "mismatch",
 )
 
 
