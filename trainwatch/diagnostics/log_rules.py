@@ -227,6 +227,19 @@ def _cuda_message(m: re.Match[str]) -> dict:
     return {"cuda_message": message} if message else {}
 
 
+_SOURCE_LOCATION = re.compile(r"\S+:\d{1,9}")
+
+
+def _old_cuda_message(m: re.Match[str]) -> dict:
+    """The message of a pre-1.5 CUDA error, without the " at FILE:LINE" torch appended
+    (split off by hand: a regex anchored at the end rescans long runs of spaces)."""
+    message = m.group("msg").strip()
+    head, sep, tail = message.rpartition(" at ")
+    if sep and _SOURCE_LOCATION.fullmatch(tail.strip()):
+        message = head.strip()
+    return {"cuda_message": message} if message else {}
+
+
 def to_bytes(size: str) -> int | None:
     """'2.00 GiB' -> 2147483648; None when the unit is unknown."""
     m = re.fullmatch(r"(\d{0,30}(?:\.\d{0,30})?)\s*([A-Za-z]+)", size.strip())
@@ -405,7 +418,7 @@ RULES: tuple[LineRule, ...] = (
         r"\s*:\s*out\s*of\s*memory"), _nothing, family="cuda"),
     LineRule("cuda-runtime-error", "cuda", "cuda_error", re.compile(
         r"(?i)(?:THCudaCheck\s*FAIL\s*file=\S+\s*line=\d+\s*error=\d+|cuda\s*runtime\s*error\s*\(\d+\))"
-        r"\s*:\s*(?P<msg>.+?)(?:\s+at\s+\S+:\d+)?\s*$"), _cuda_message, family="cuda"),
+        r"\s*:\s*(?P<msg>\S.*)"), _old_cuda_message, family="cuda"),
     LineRule("cuda-error", "cuda", "cuda_error", re.compile(
         r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
         r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),

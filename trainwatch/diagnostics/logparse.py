@@ -313,12 +313,19 @@ def _name_causes(events: list[dict], lines: list[str]) -> list[dict]:
 
 
 # A terminal UI (a tmux pane, a rich box) closes each line with a border after padding.
-_BOX_BORDER = re.compile(r"\s{2,}[x\u2502|\u2503]\s*$")
+_BOX_BORDERS = frozenset("x\u2502|\u2503")
 
 
 def _unbox(line: str) -> str:
-    """The line without a carriage return or a box border drawn after its padding."""
-    return _BOX_BORDER.sub("", line.rstrip("\r"))
+    """The line without a carriage return or a box border drawn after its padding.
+
+    Done by hand: a regex anchored at the end rescans every run of spaces (quadratic).
+    """
+    line = line.rstrip("\r")
+    end = line.rstrip()
+    if end and end[-1] in _BOX_BORDERS and end[:-1].endswith("  "):
+        return end[:-1].rstrip()
+    return line
 
 
 def parse_log(text: str, source: str | None = None) -> ParsedLog:

@@ -119,6 +119,11 @@ _FENCE = re.compile(r"^\s*```")
 _LINE_PREFIX = re.compile(
     r"\[(?:rank|RANK)\s*(?P<rank>\d{1,9})\]:\s?"
     r"|\[[\w|.-]+\]:\s?"
+    # Ray's actor prefix "(RayWorkerWrapper pid=4009, ip=10.0.0.1) ", with or without the
+    # colour codes around it (or their printable leftovers "[36m" once ESC is lost).
+    r"|(?:\x1b?\[\d{1,3}m)?\([\w.:-]+ pid=\d{1,12}(?:, ip=[\w.:-]+)?\)(?:\x1b?\[0m)?\s?"
+    # a quoted paste ("> " per line)
+    r"|>\s?(?=\S)"
     # a host or a clock only in front of a bracketed prefix ("RuntimeError: [1] ..." keeps its name)
     r"|(?:[\w.-]+:|(?:\d{4}-\d{2}-\d{2}[T ])?\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?)\s+(?=\[[\w|.-]+\]:)"
 )
@@ -133,20 +138,21 @@ _PYSPY_THREAD = re.compile(
 # A py-spy frame without its thread header (a paste that starts mid-dump): only a
 # location py-spy itself prints, "file.py:LINE" or a native library, counts.
 _PYSPY_LOOSE_FRAME = re.compile(
-    r"^\s+(?P<func>[\w<>.:~-][^()]*?)\s*\((?P<loc>[^()\s]+\.py:\d{1,9}|[^()\s]+\.(?:so|dylib)(?:\.[\d.]+)?)\)\s*$")
+    r"^\s+(?P<func>[\w<>.:~-][^()]*)\((?P<loc>[^()\s]+\.py:\d{1,9}|[^()\s]+\.(?:so|dylib)(?:\.[\d.]+)?)\)\s*$")
 # lldb `bt`: "* thread #1, queue = 'com.apple.main-thread', stop reason = signal SIGSTOP"
-# and "  * frame #0: 0x00000001aa919084 Metal`pthread_cond_wait + 12".
+# and "  * frame #0: 0x00000001aa919084 Metal`pthread_cond_wait + 12". The frame's tail
+# (" + 12", " at file.c:34:5") is split off in Python: a regex doing it backtracks on long lines.
 _LLDB_THREAD = re.compile(r"^\s*\*?\s*thread #(?P<num>\d+)(?:,\s*(?P<desc>.*))?$")
-_LLDB_FRAME = re.compile(
-    r"^\s*\*?\s*frame #\d+:\s*(?:0x[0-9a-fA-F]+\s+)?(?P<lib>[^`\s]+)`(?P<func>.+?)(?:\s+\+\s+\d+)?"
-    r"(?:\s+at\s+(?P<file>\S+?)(?::(?P<line>\d+))?(?::\d+)?)?\s*$")
+_LLDB_FRAME = re.compile(r"^\s*\*?\s*frame #\d+:\s*(?:0x[0-9a-fA-F]+\s+)?(?P<lib>[^`\s]+)`(?P<rest>\S.*)$")
+_LLDB_AT = re.compile(r"\s+at\s+(?P<file>\S+?)(?::(?P<line>\d{1,9}))?(?::\d{1,9})?$")
+_OFFSET = re.compile(r"\s+\+\s+\d{1,12}$")
 # macOS crash reports: "3   libtorch_cpu.dylib   \t0x000000010a2f15f6 at::native::foo + 406"
-_MAC_CRASH_FRAME = re.compile(r"^\s*\d{1,4}\s+(?P<lib>\S+)\s+0x[0-9a-fA-F]+\s+(?P<func>.+?)(?:\s+\+\s+\d+)?\s*$")
+_MAC_CRASH_FRAME = re.compile(r"^\s*\d{1,4}\s+(?P<lib>\S+)\s+0x[0-9a-fA-F]+\s+(?P<rest>\S.*)$")
 _MAC_CRASH_THREAD = re.compile(r"^Thread (?P<num>\d+)(?: Crashed)?::?\s*(?P<desc>.*)$")
 _PYSPY_FRAME = re.compile(r"^(?P<indent>\s+)(?P<func>\S.*?)\s*\((?P<loc>[^()\s]*)\)\s*$")
 _PYSPY_LOCALS = re.compile(r"^(?P<indent>\s+)(?:Arguments|Locals):\s*$")
 _FAULT_THREAD = re.compile(
-    r"^(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)(?: \[(?P<name>[^\]]*)\])?"
+    r"^\s*(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)(?: \[(?P<name>[^\]]*)\])?"
     r" \(most recent call first\):\s*$"
 )
 _FAULT_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S.*?)\s*$')
@@ -344,8 +350,7 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
         elif m := _LLDB_THREAD.match(line):
             thread = new_thread(_ThreadBuilder("lldb", m.group("num"), _lldb_name(m.group("desc"))))
         elif m := _LLDB_FRAME.match(line):
-            current("lldb").frames.append(
-                Frame(m.group("func").strip(), m.group("file") or m.group("lib"), _line(m.group("line"))))
+            current("lldb").frames.append(_native_frame(m.group("rest"), m.group("lib")))
         elif m := _MAC_CRASH_THREAD.match(line):
             thread = new_thread(_ThreadBuilder("maccrash", m.group("num"), m.group("desc").strip() or None))
         elif thread is not None and thread.kind == "pyspy" and (m := _PYSPY_LOCALS.match(line)):
@@ -383,7 +388,7 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
         elif m := _OLD_PYSTACK_FRAME.match(line):
             current("oldpystack").frames.append(_frame(m))
         elif thread is not None and thread.kind == "maccrash" and (m := _MAC_CRASH_FRAME.match(line)):
-            thread.frames.append(Frame(m.group("func").strip(), m.group("lib")))
+            thread.frames.append(_native_frame(m.group("rest"), m.group("lib")))
         elif (thread is None or thread.kind == "pyspy") and (m := _PYSPY_LOOSE_FRAME.match(line)):
             file, _, lineno = m.group("loc").rpartition(":")
             if not lineno.isdigit():
@@ -393,6 +398,17 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
               and thread.exception is None and not line[0].isspace() and _EXCEPTION.match(line)):
             thread.exception = line.strip()
     return [p.build() for p in processes if p.threads or p.pid is not None]
+
+
+def _native_frame(rest: str, lib: str) -> Frame:
+    """An lldb or crash-report frame: "func + 12" or "func at file.c:34:5" in library `lib`."""
+    rest = rest.rstrip()
+    file, line = lib, None
+    if (at := _LLDB_AT.search(rest)) is not None:
+        file, line = at.group("file"), _line(at.group("line"))
+        rest = rest[:at.start()]
+    rest = _OFFSET.sub("", rest).strip()
+    return Frame(rest or "??", file, line)
 
 
 def _lldb_name(desc: str | None) -> str | None:
