@@ -440,6 +440,28 @@ def test_ray_prefixed_faulthandler_dump_is_read() -> None:
     assert (finding["category"], finding["op"]) == ("collective_wait", "all_reduce")
 
 
+def test_nccl_cuda_failure_warnings_name_the_cuda_error() -> None:
+    def categories(message: str) -> list[tuple[str, object]]:
+        line = f"gpu-3:4021:4097 [1] enqueue.cc:1556 NCCL WARN Cuda failure {message}\n"
+        return [(f["category"], f.get("cuda_message")) for f in explain_inputs([("a.log", line.encode())])["findings"]]
+
+    assert categories("700 'an illegal memory access was encountered'") == [("illegal_memory_access", None)]
+    assert categories("2 'out of memory'") == [("oom", None)]
+    assert categories("'invalid device function'") == [("cuda_error", "invalid device function")]
+
+
+def test_a_libc_wait_above_the_cuda_driver_is_a_device_wait() -> None:
+    dump = "\n".join([
+        "Thread 1 (Thread 0x7f3a1c8ff740 (LWP 4412) \"python\"):",
+        "#0  0x00007f3a1d0e2c9b in sched_yield () from /lib64/libc.so.6",
+        "#1  0x00007f39d26a4b1f in ?? () from /lib64/libcuda.so.1",
+        "#2  0x00007f39d28b3c6e in ?? () from /lib64/libcuda.so.1",
+        "#3  0x00007f3a0c2e11a5 in ?? () from /opt/venv/lib/python3.11/site-packages/torch/lib/libtorch_cuda.so",
+    ])
+    (finding,) = explain_inputs([("gdb.txt", dump.encode())])["findings"]
+    assert (finding["category"], finding["runbook"]) == ("cuda_sync", "cuda-sync")
+
+
 def test_boxed_terminal_lines_lose_their_border() -> None:
     (finding,) = _explain("log-pytorch-21276-thcudacheck-boxed-launch-failure.txt")
     assert (finding["category"], finding["cuda_message"]) == ("cuda_error", "unspecified launch failure")

@@ -367,10 +367,19 @@ def match_thread(thread: ThreadStack) -> PatternMatch | None:
     return None
 
 
+_LIBC_WAIT = re.compile(r"(?:^|/)(?:libc|libpthread|ld-linux[\w-]*)(?:[.-][\w.]*)?\.so|^(?:libc|libpthread)\b"
+                        r"|(?:^|/)(?:pthread_cond_wait|futex-internal|poll|nanosleep)\.[cS]$")
+
+
 def _candidates(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
     """The frames a signature's rules are checked against."""
     if sig.innermost_raw:
-        return thread.frames[:1]
+        # The C library's wait (futex, poll, sched_yield, nanosleep) is how the innermost
+        # real frame waits: look through it to the first frame of another library.
+        for index, frame in enumerate(thread.frames):
+            if not _LIBC_WAIT.search(frame.file) or index == len(thread.frames) - 1:
+                return thread.frames[index:index + 1]
+        return ()
     if sig.innermost_python:
         return next(((f,) for f in frames if f.file.endswith(".py")), ())
     return frames[:1] if sig.innermost_only else frames

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from trainwatch.diagnostics.desync_reports import FINGERPRINT_MISMATCH, fingerprint_facts
+from trainwatch.diagnostics.nccl_facts import nccl_mismatch_rank, nccl_peer_lost, nccl_retcode, nccl_size_mismatch
 
 # NCCL's one-line descriptions (ncclGetErrorString) -> the ncclResult_t name.
 NCCL_DESCRIPTIONS = {
@@ -177,43 +178,6 @@ def _nccl_async(m: re.Match[str]) -> dict:
 def _nccl_code(m: re.Match[str]) -> dict:
     """Facts of an "ncclSystemError: ..." line."""
     return {"nccl_code": m.group("code")}
-
-
-# ncclResult_t numbers, as NCCL's "retcode N" and "-> N" lines print them.
-NCCL_RETURN_CODES = {
-    1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
-    4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError", 7: "ncclInProgress",
-}
-_PEER = re.compile(r"(?:from|peer|remote peer)\s+(?P<peer>[\w.:%-]+<\d+>)")
-
-
-def _nccl_peer_lost(m: re.Match[str]) -> dict:
-    """An NCCL warning that the other end of a connection went away: the peer process
-    died or its network failed, which NCCL reports as ncclRemoteError."""
-    facts: dict = {"nccl_code": "ncclRemoteError", "peer_lost": True,
-                   "nccl_warning": " ".join(m.group("msg").split())[:300]}
-    peer = _PEER.search(m.group("msg"))
-    if peer:
-        facts["peer"] = peer.group("peer")
-    return facts
-
-
-def _nccl_retcode(m: re.Match[str]) -> dict:
-    """NCCL's proxy failing an operation for a peer rank, with the ncclResult_t it got."""
-    code = int(m.group("code")) if len(m.group("code")) < 4 else None
-    return {"nccl_code": NCCL_RETURN_CODES.get(code), "peer_rank": int(m.group("peer")),
-            "nccl_operation": m.group("oper")}
-
-
-def _nccl_mismatch_rank(m: re.Match[str]) -> dict:
-    """NCCL's own collective-mismatch check, which names the rank to look at."""
-    rank = int(m.group("rank"))
-    return {"ranks": [rank], "rank": rank, "transport": "nccl"}
-
-
-def _nccl_size_mismatch(m: re.Match[str]) -> dict:
-    """NCCL's network plugin receiving a message of another size than it posted."""
-    return {"local_size": int(m.group("local")), "remote_size": int(m.group("remote")), "transport": "nccl"}
 
 
 def _nothing(m: re.Match[str]) -> dict:
@@ -378,10 +342,10 @@ RULES: tuple[LineRule, ...] = (
     LineRule("fingerprint-mismatch", "mismatch", "collective_mismatch", FINGERPRINT_MISMATCH, fingerprint_facts),
     LineRule("nccl-warn-mismatch", "mismatch", "collective_mismatch", re.compile(
         r"NCCL\s*WARN\s*Mismatched\s*collective\s*detected.*?around\s*rank\s*(?P<rank>\d{1,9})"),
-        _nccl_mismatch_rank),
+        nccl_mismatch_rank),
     LineRule("nccl-net-size-mismatch", "mismatch", "collective_mismatch", re.compile(
         r"collective\s*mismatch\s*error,\s*local\s*size\s*(?P<local>\d{1,18})\s*remote\s*size\s*(?P<remote>\d{1,18})"),
-        _nccl_size_mismatch),
+        nccl_size_mismatch),
     # -- NCCL errors ---------------------------------------------------------------
     LineRule("nccl-async-error", "async", "nccl_error", re.compile(
         r"Collective\s*" + _WORK + r"\s*" + _words("raised the following async exception:")
@@ -394,10 +358,10 @@ RULES: tuple[LineRule, ...] = (
     LineRule("nccl-warn-peer-lost", "warn", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*(?P<msg>.*?(?:Connection\s*closed\s*by\s*remote\s*peer|Connection\s*reset\s*by\s*peer"
         r"|Broken\s*pipe|Got\s*completion\s*(?:from\s*peer\s*\S+\s*)?with\s*(?:error|status)\s*=?\s*\d+).*)"),
-        _nccl_peer_lost),
+        nccl_peer_lost),
     LineRule("nccl-warn-retcode", "retcode", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*\[[^\]]*\]\s*Failed\s*to\s*execute\s*operation\s*(?P<oper>\w+)\s*from\s*rank\s*"
-        r"(?P<peer>\d{1,9}),\s*retcode\s*(?P<code>\d{1,9})"), _nccl_retcode),
+        r"(?P<peer>\d{1,9}),\s*retcode\s*(?P<code>\d{1,9})"), nccl_retcode),
     LineRule("nccl-code", "nccl", "nccl_error", re.compile(
         r"\b(?P<code>nccl(?:UnhandledCudaError|SystemError|InternalError|InvalidArgument|InvalidUsage"
         r"|RemoteError))\s*:"),
@@ -419,6 +383,12 @@ RULES: tuple[LineRule, ...] = (
     LineRule("cuda-runtime-error", "cuda", "cuda_error", re.compile(
         r"(?i)(?:THCudaCheck\s*FAIL\s*file=\S+\s*line=\d+\s*error=\d+|cuda\s*runtime\s*error\s*\(\d+\))"
         r"\s*:\s*(?P<msg>\S.*)"), _old_cuda_message, family="cuda"),
+    # NCCL_DEBUG=WARN: "enqueue.cc:1556 NCCL WARN Cuda failure 700 'an illegal memory access was
+    # encountered'" (the specific CUDA rules above read the quoted text first).
+    LineRule("nccl-cuda-failure-oom", "failure", "oom", re.compile(
+        r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'out of memory'"), _nothing, family="cuda"),
+    LineRule("nccl-cuda-failure", "failure", "cuda_error", re.compile(
+        r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'(?P<msg>[^']{1,200})'"), _cuda_message, family="cuda"),
     LineRule("cuda-error", "cuda", "cuda_error", re.compile(
         r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
         r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),
