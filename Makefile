@@ -49,6 +49,7 @@ bench: setup
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/detection.py
 	$(BIN)/python benchmarks/recovery.py
+	$(BIN)/python benchmarks/explain_accuracy.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

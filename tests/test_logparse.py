@@ -508,8 +508,17 @@ def test_a_rank_with_several_seqnums_and_no_group_is_not_compared() -> None:
     assert "collective_mismatch" not in categories(text)
 
 
-def test_different_ops_without_a_group_are_not_compared() -> None:
+def test_ranks_each_timing_out_once_in_different_ops_are_compared() -> None:
+    # One timeout per rank and no group named: the text gives no reason to think of two
+    # groups, and a rank one collective behind in another op has left the schedule.
     text = TIMEOUT.format(r=0, seq=10, op="ALLREDUCE") + "\n" + TIMEOUT.format(r=1, seq=9, op="BROADCAST")
+    (mismatch,) = [f for f in error_findings(text) if f["category"] == "collective_mismatch"]
+    assert (mismatch["ranks"], mismatch["seq"], mismatch["op"]) == ([1], 10, "ALLREDUCE")  # the op the leaders are in
+
+
+def test_a_rank_timing_out_in_several_unnamed_groups_is_not_compared() -> None:
+    text = "\n".join([TIMEOUT.format(r=0, seq=10, op="ALLREDUCE"), TIMEOUT.format(r=0, seq=3, op="BROADCAST"),
+                      TIMEOUT.format(r=1, seq=9, op="BROADCAST")])
     assert "collective_mismatch" not in categories(text)
 
 

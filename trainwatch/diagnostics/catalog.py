@@ -249,12 +249,19 @@ PATTERNS: tuple[Pattern, ...] = (
                 FrameRule(function=r"(?:^|[.:])synchronize$", file=r"(?:^|/)torch/cuda/"),
                 FrameRule(function=r"^(?:cudaDeviceSynchronize|cudaStreamSynchronize|cudaEventSynchronize|"
                                    r"cuCtxSynchronize|cuStreamSynchronize|cuEventSynchronize)\b"),
+                # The same wait on ROCm (HIP) and Apple (MPS/Metal) devices.
+                FrameRule(function=r"^(?:hipDeviceSynchronize|hipStreamSynchronize|hipEventSynchronize|"
+                                   r"hipMemcpy\w*)\b|mps::\w*[Ss]ynchronize|MPSModule_deviceSynchronize|"
+                                   r"waitUntilCompleted\]?$"),
                 FrameRule(function=r"_local_scalar_dense|c10::cuda::(?:device|stream)_synchronize"),
                 # Device-to-host copies (.cpu(), .item(), .to("cpu")) block until the GPU gets there.
                 FrameRule(function=r"^(?:cudaMemcpy\w*|cuMemcpy\w*)\b|copy_kernel_cuda"),
             ),
             # A thread stopped inside the CUDA driver itself, even where gdb names no function.
             *_any(FrameRule(file=r"(?:^|/)libcuda\.so"), innermost_raw=True),
+            # Python-only dumps show where the wait was entered: a value turned into a device
+            # tensor or read back from one (Lightning's self.log, .item(), .tolist()).
+            *_any(FrameRule(function=r"^(?:_+to_tensor|to_tensor|item|tolist)$"), innermost_python=True),
         ),
         meaning="The CPU waits for queued GPU work to finish (a synchronize, or a copy of a result "
                 "to the CPU). When that work is a NCCL kernel waiting for a peer, or the GPU is "
@@ -360,10 +367,19 @@ def match_thread(thread: ThreadStack) -> PatternMatch | None:
     return None
 
 
+_LIBC_WAIT = re.compile(r"(?:^|/)(?:libc|libpthread|ld-linux[\w-]*)(?:[.-][\w.]*)?\.so|^(?:libc|libpthread)\b"
+                        r"|(?:^|/)(?:pthread_cond_wait|futex-internal|poll|nanosleep)\.[cS]$")
+
+
 def _candidates(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
     """The frames a signature's rules are checked against."""
     if sig.innermost_raw:
-        return thread.frames[:1]
+        # The C library's wait (futex, poll, sched_yield, nanosleep) is how the innermost
+        # real frame waits: look through it to the first frame of another library.
+        for index, frame in enumerate(thread.frames):
+            if not _LIBC_WAIT.search(frame.file) or index == len(thread.frames) - 1:
+                return thread.frames[index:index + 1]
+        return ()
     if sig.innermost_python:
         return next(((f,) for f in frames if f.file.endswith(".py")), ())
     return frames[:1] if sig.innermost_only else frames

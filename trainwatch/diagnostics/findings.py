@@ -32,6 +32,10 @@ ERROR_CATEGORIES: dict[str, tuple[str, str]] = {
     "oom": ("medium", "oom"),
     "child_failed": ("medium", "child-failed"),
     "dataloader_worker_killed": ("medium", "dataloader-worker-killed"),
+    # Loss health read from framework log lines (loss_health.py); the same incident
+    # kinds and runbooks as the live detectors. A collapse below scale 1 is "high".
+    "loss_nan": ("critical", "loss-nan"),
+    "loss_scale_collapse": ("medium", "loss-scale-collapse"),
 }
 
 NON_FACT_KEYS = frozenset({"kind", "evidence", "severity", "runbook", "rank", "ranks", "_role"})

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from trainwatch.diagnostics.xid import (
+    ACTIONS,
     ECC_CODES,
     ECC_RUNBOOK,
     XID_RUNBOOK,
@@ -120,6 +121,12 @@ _GSP_TIMEOUT_RE = re.compile(
 # by previous Xid 149", "(caused by previous Xid 79)".
 _CAUSED_BY_RE = re.compile(
     r"\bcaused\s+by\s+(?:the\s+|a\s+)?(?:previous\s+|prior\s+|earlier\s+)?Xid\s*[:#]?\s*(\d{1,5})\b", re.IGNORECASE)
+# khungtaskd: "INFO: task python:4321 blocked for more than 120 seconds."
+_HUNG_TASK_RE = re.compile(
+    r"\btask\s+(?P<name>\S+?):(?P<pid>\d{1,12})\s+blocked\s+for\s+more\s+than\s+(?P<secs>\d{1,9})\s+seconds")
+HUNG_TASK_SEVERITY = "high"
+"""What an Xid followed by kernel tasks blocked in uninterruptible sleep is at least: the driver
+(or the GPU behind it) no longer answers, and only a reset or reboot frees the tasks."""
 _PID_RE = re.compile(r"\bpid=([^,;\s]*)")
 _NAME_RE = re.compile(r"\bname=([^,;]*)")
 # Xid 154 prints "... changed from 0x0 (None) to 0x2 (Node Reboot Required)";
@@ -352,14 +359,46 @@ def summarize(events: Sequence[XidEvent]) -> BurstSummary:
     return BurstSummary(root, worst, tuple(events), root_xid)
 
 
+def hung_tasks(text: str) -> list[tuple[int, str, int, str]]:
+    """(line number, task name, seconds, the line) of every blocked-task report, in log order."""
+    found = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if "blocked" not in raw:
+            continue
+        m = _HUNG_TASK_RE.search(raw)
+        if m:
+            found.append((number, m.group("name"), int(m.group("secs")), _strip_prefixes(raw)[1].strip()))
+    return found
+
+
+def _apply_consequences(findings: list[dict], first_line: dict[int, int], tasks: list[tuple[int, str, int, str]]) -> None:
+    """Grade an Xid by what followed it: tasks blocked in the kernel after it mean the
+    GPU or its driver stopped answering, whatever the number alone suggests."""
+    for finding in findings:
+        after = [t for t in tasks if t[0] > (first_line.get(id(finding)) or 0)]
+        if not after:
+            continue
+        finding["blocked_tasks"] = sorted({t[1] for t in after})
+        finding["blocked_s"] = max(t[2] for t in after)
+        finding["evidence"] += "\n" + after[0][3]
+        if severity_rank(finding["severity"]) < severity_rank(HUNG_TASK_SEVERITY):
+            finding["severity"] = HUNG_TASK_SEVERITY
+            finding["severity_from"] = "blocked kernel tasks after the Xid"
+            if finding["action"] not in ACTIONS or ACTIONS.index(finding["action"]) < ACTIONS.index("reboot_node"):
+                # Tasks stuck in the driver usually keep a GPU reset from completing.
+                finding["action"] = "reboot_node"
+
+
 def xid_findings(text: str) -> list[dict]:
     """Findings in ``explain --json`` shape: one per distinct (code, GPU), in log order.
 
     A burst repeats the same Xid dozens of times on one GPU; one finding with
-    a count and the first line as evidence reads better than dozens.
+    a count and the first line as evidence reads better than dozens. Kernel
+    tasks blocked after an Xid raise its severity (`_apply_consequences`).
     """
     findings: list[dict] = []
     by_key: dict[tuple[bool, int, str | None], dict] = {}
+    first_line: dict[int, int] = {}
     for event in parse_kernel_log(text):
         key = (event.is_sxid, event.code, pci_key(event.pci))
         finding = by_key.get(key)
@@ -394,6 +433,9 @@ def xid_findings(text: str) -> list[dict]:
             "count": 1,
         }
         by_key[key] = finding
+        first_line[id(finding)] = event.line_no
         findings.append(finding)
+    if findings:
+        _apply_consequences(findings, first_line, hung_tasks(text))
     return findings
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from trainwatch.diagnostics.desync_reports import FINGERPRINT_MISMATCH, fingerprint_facts
+from trainwatch.diagnostics.nccl_facts import nccl_mismatch_rank, nccl_peer_lost, nccl_retcode, nccl_size_mismatch
 
 # NCCL's one-line descriptions (ncclGetErrorString) -> the ncclResult_t name.
 NCCL_DESCRIPTIONS = {
@@ -190,6 +191,19 @@ def _cuda_message(m: re.Match[str]) -> dict:
     return {"cuda_message": message} if message else {}
 
 
+_SOURCE_LOCATION = re.compile(r"\S+:\d{1,9}")
+
+
+def _old_cuda_message(m: re.Match[str]) -> dict:
+    """The message of a pre-1.5 CUDA error, without the " at FILE:LINE" torch appended
+    (split off by hand: a regex anchored at the end rescans long runs of spaces)."""
+    message = m.group("msg").strip()
+    head, sep, tail = message.rpartition(" at ")
+    if sep and _SOURCE_LOCATION.fullmatch(tail.strip()):
+        message = head.strip()
+    return {"cuda_message": message} if message else {}
+
+
 def to_bytes(size: str) -> int | None:
     """'2.00 GiB' -> 2147483648; None when the unit is unknown."""
     m = re.fullmatch(r"(\d{0,30}(?:\.\d{0,30})?)\s*([A-Za-z]+)", size.strip())
@@ -326,6 +340,12 @@ RULES: tuple[LineRule, ...] = (
         runbook="watchdog-stuck"),
     # -- desynchronised ranks ----------------------------------------------------------
     LineRule("fingerprint-mismatch", "mismatch", "collective_mismatch", FINGERPRINT_MISMATCH, fingerprint_facts),
+    LineRule("nccl-warn-mismatch", "mismatch", "collective_mismatch", re.compile(
+        r"NCCL\s*WARN\s*Mismatched\s*collective\s*detected.*?around\s*rank\s*(?P<rank>\d{1,9})"),
+        nccl_mismatch_rank),
+    LineRule("nccl-net-size-mismatch", "mismatch", "collective_mismatch", re.compile(
+        r"collective\s*mismatch\s*error,\s*local\s*size\s*(?P<local>\d{1,18})\s*remote\s*size\s*(?P<remote>\d{1,18})"),
+        nccl_size_mismatch),
     # -- NCCL errors ---------------------------------------------------------------
     LineRule("nccl-async-error", "async", "nccl_error", re.compile(
         r"Collective\s*" + _WORK + r"\s*" + _words("raised the following async exception:")
@@ -333,6 +353,15 @@ RULES: tuple[LineRule, ...] = (
         _nccl_async, family="nccl-text"),
     LineRule("nccl-error-in", "nccl", "nccl_error", re.compile(
         r"NCCL\s*error\s*(?:in\s*:\s*[^,\s]+\s*,|:)\s*" + _NCCL_DESC), _nccl_line, family="nccl-text"),
+    # NCCL_DEBUG=WARN lines that say the peer of a connection is gone: no "NCCL error"
+    # line may follow (the process that printed them is killed first).
+    LineRule("nccl-warn-peer-lost", "warn", "nccl_error", re.compile(
+        r"NCCL\s*WARN\s*(?P<msg>.*?(?:Connection\s*closed\s*by\s*remote\s*peer|Connection\s*reset\s*by\s*peer"
+        r"|Broken\s*pipe|Got\s*completion\s*(?:from\s*peer\s*\S+\s*)?with\s*(?:error|status)\s*=?\s*\d+).*)"),
+        nccl_peer_lost),
+    LineRule("nccl-warn-retcode", "retcode", "nccl_error", re.compile(
+        r"NCCL\s*WARN\s*\[[^\]]*\]\s*Failed\s*to\s*execute\s*operation\s*(?P<oper>\w+)\s*from\s*rank\s*"
+        r"(?P<peer>\d{1,9}),\s*retcode\s*(?P<code>\d{1,9})"), nccl_retcode),
     LineRule("nccl-code", "nccl", "nccl_error", re.compile(
         r"\b(?P<code>nccl(?:UnhandledCudaError|SystemError|InternalError|InvalidArgument|InvalidUsage"
         r"|RemoteError))\s*:"),
@@ -346,6 +375,20 @@ RULES: tuple[LineRule, ...] = (
         _nothing, family="cuda"),
     LineRule("cuda-error-oom", "memory", "oom", re.compile(r"CUDA\s*error\s*:\s*out\s*of\s*memory"),
              _nothing, family="cuda"),
+    # Before torch 1.5: "cuda runtime error (2) : out of memory at ...THCGeneral.cpp:50",
+    # "THCudaCheck FAIL file=... line=271 error=4 : unspecified launch failure".
+    LineRule("cuda-runtime-oom", "cuda", "oom", re.compile(
+        r"(?i)(?:THCudaCheck\s*FAIL\s*file=\S+\s*line=\d+\s*error=\d+|cuda\s*runtime\s*error\s*\(\d+\))"
+        r"\s*:\s*out\s*of\s*memory"), _nothing, family="cuda"),
+    LineRule("cuda-runtime-error", "cuda", "cuda_error", re.compile(
+        r"(?i)(?:THCudaCheck\s*FAIL\s*file=\S+\s*line=\d+\s*error=\d+|cuda\s*runtime\s*error\s*\(\d+\))"
+        r"\s*:\s*(?P<msg>\S.*)"), _old_cuda_message, family="cuda"),
+    # NCCL_DEBUG=WARN: "enqueue.cc:1556 NCCL WARN Cuda failure 700 'an illegal memory access was
+    # encountered'" (the specific CUDA rules above read the quoted text first).
+    LineRule("nccl-cuda-failure-oom", "failure", "oom", re.compile(
+        r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'out of memory'"), _nothing, family="cuda"),
+    LineRule("nccl-cuda-failure", "failure", "cuda_error", re.compile(
+        r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'(?P<msg>[^']{1,200})'"), _cuda_message, family="cuda"),
     LineRule("cuda-error", "cuda", "cuda_error", re.compile(
         r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
         r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),
@@ -374,6 +417,7 @@ RULES: tuple[LineRule, ...] = (
 _ANCHOR_WORDS = (
     "watchdog", "heartbeat", "signal", "timeout", "timed out", "collective", "enqueued", "either an",
     "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
+    "nccl warn", "mismatch",
 )
 
 

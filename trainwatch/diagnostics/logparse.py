@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from trainwatch.diagnostics.desync_reports import desync_reports
 from trainwatch.diagnostics.findings import NON_FACT_KEYS, error_finding, in_contract_order
 from trainwatch.diagnostics.log_rules import RULES, LineRule, may_hold_message, signal_name
+from trainwatch.diagnostics.loss_health import loss_health_findings
 from trainwatch.diagnostics.rank_comparison import collapse_ranks, mismatch_findings
 
 # Rank attribution, strongest first. torch's "[rank3]:" prefix is the global
@@ -311,11 +312,28 @@ def _name_causes(events: list[dict], lines: list[str]) -> list[dict]:
     return [f for f in events if "cause" not in f] + [f for f in events if "cause" in f]
 
 
+# A terminal UI (a tmux pane, a rich box) closes each line with a border after padding.
+_BOX_BORDERS = frozenset("x\u2502|\u2503")
+
+
+def _unbox(line: str) -> str:
+    """The line without a carriage return or a box border drawn after its padding.
+
+    Done by hand: a regex anchored at the end rescans every run of spaces (quadratic).
+    """
+    line = line.rstrip("\r")
+    end = line.rstrip()
+    if end and end[-1] in _BOX_BORDERS and end[:-1].endswith("  "):
+        return end[:-1].rstrip()
+    return line
+
+
 def parse_log(text: str, source: str | None = None) -> ParsedLog:
     """Error findings and progress points of one text; `source` is its file name."""
-    lines = ["" if _SOURCE_LINE.match(line) else line.rstrip("\r") for line in text.splitlines()]
+    lines = ["" if _SOURCE_LINE.match(line) else _unbox(line) for line in text.splitlines()]
     file_rank = rank_from_name(source)
-    raw = _line_findings(lines) + desync_reports(lines, line_rank) + _child_failures(lines)
+    raw = (_line_findings(lines) + desync_reports(lines, line_rank) + _child_failures(lines)
+           + loss_health_findings(lines))
     if file_rank is not None:
         for finding in raw:
             if finding["rank"] is None and not finding["ranks"]:

@@ -87,8 +87,12 @@ def _groups(points: list[dict], metric: str) -> list[tuple[str | None, dict[int,
         ops = {p["op"] for p in bucket if p["op"]}
         pgs = {p["pg"] for p in bucket if p["pg"] is not None}
         per_rank = _per_rank(bucket, take_max=False)
-        if per_rank and len(ops) <= 1 and len(pgs) <= 1:
-            out.append((pg if pg is not None else next(iter(pgs), None), per_rank, next(iter(ops), None)))
+        # Ranks that each timed out once, in one group as far as the text says, are
+        # compared even when their ops differ: a rank at another SeqNum in another op
+        # left the schedule. (Points naming different groups never share a bucket.)
+        if per_rank and len(pgs) <= 1:
+            op = next(iter(ops)) if len(ops) == 1 else None
+            out.append((pg if pg is not None else next(iter(pgs), None), per_rank, op))
     return out
 
 
@@ -97,13 +101,48 @@ def _rank_list(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
+def _op_mismatch_findings(points: list[dict]) -> list[dict]:
+    """collective_mismatch findings where ranks time out at one SeqNum of one group in different ops.
+
+    Sequence numbers count the collectives of a group in order, so two ranks
+    at the same number in different ops have called different collectives:
+    the schedule diverged. The ranks in the less common op are the suspects
+    (all of them when no op is in the majority).
+    """
+    out: list[dict] = []
+    chosen = [p for p in points if p["metric"] == "timeout_seq" and p["op"]]
+    for pg in dict.fromkeys(p["pg"] for p in chosen):
+        bucket = [p for p in chosen if p["pg"] == pg]
+        for seq in sorted({p["value"] for p in bucket}):
+            ops: dict[str, set[int]] = {}
+            for p in bucket:
+                if p["value"] == seq:
+                    ops.setdefault(p["op"], set()).add(p["rank"])
+            if len(ops) < 2:
+                continue
+            sizes = sorted(len(r) for r in ops.values())
+            majority = max(ops, key=lambda op: len(ops[op])) if sizes[-1] > sizes[-2] else None
+            suspects = sorted({r for op, rs in ops.items() if op != majority for r in rs})
+            said = "; ".join(f"{_rank_list(sorted(rs))} in {op}" for op, rs in sorted(ops.items()))
+            finding = error_finding("collective_mismatch", f"SeqNum {seq} timed out in different ops: {said}")
+            finding.update(
+                op=majority, seq=seq, ranks=suspects, rank=suspects[0] if len(suspects) == 1 else None, pg=pg,
+                metric="timeout_op", per_rank=[{"rank": r, "seq": seq, "op": op}
+                                               for op, rs in sorted(ops.items()) for r in sorted(rs)],
+                evidence_lines=[p["evidence"] for p in bucket if p["value"] == seq][:8],
+            )
+            out.append(in_contract_order(finding))
+    return out
+
+
 def mismatch_findings(points: list[dict]) -> list[dict]:
     """collective_mismatch findings where the ranks of one group disagree on progress.
 
     The highest sequence number is where the group got to; every rank below
-    it has not launched (or not reached) that collective and is behind.
+    it has not launched (or not reached) that collective and is behind. Ranks
+    at the same number in different ops disagree too (`_op_mismatch_findings`).
     """
-    out: list[dict] = []
+    out: list[dict] = _op_mismatch_findings(points)
     reported: set[frozenset[int]] = set()
     for metric in ("last_enqueued", "timeout_seq"):
         for pg, per_rank, op in _groups(points, metric):
@@ -135,6 +174,9 @@ def mismatch_findings(points: list[dict]) -> list[dict]:
                 op=op, seq=top, ranks=lagging, rank=lagging[0] if len(lagging) == 1 else None,
                 pg=pg, metric=metric, leading_ranks=leaders,
                 behind=[{"rank": r, "seq": per_rank[r]} for r in lagging],
+                evidence_lines=list(dict.fromkeys(
+                    p["evidence"] for p in points if p["metric"] == metric and p["pg"] == pg
+                    and p["rank"] in per_rank and p["value"] == per_rank[p["rank"]]))[:8],
             )
             out.append(in_contract_order(finding))
     return out

@@ -217,9 +217,20 @@ def stack_findings(text: str) -> list[dict[str, Any]]:
             "ranks": ranks,
             "severity": UNSAMPLED_SEVERITY if category == "unsampled" else SEVERITY.get(category, "info"),
             "runbook": pattern.runbook if pattern else (CRASH_RUNBOOK if lead.exception else FALLBACK_RUNBOOK),
-            "evidence": lead.evidence,
+            "evidence": lead.evidence or _fallback_evidence(lead, text),
         })
     return findings
+
+
+def _fallback_evidence(group: StackGroup, text: str) -> str:
+    """Evidence for a group no frame revealed: its innermost frames, else the dump's first line,
+    so that every finding still shows what it was read from."""
+    if group.frames:
+        return " <- ".join(group.frames[:3])
+    if group.error or group.exception:
+        return str(group.error or group.exception)
+    return next((line.strip() for line in text.splitlines() if line.strip() and not line.startswith("# source:")),
+                "")[:240]
 
 
 def _key_processes(processes: list[ProcessStack]) -> tuple[dict[int, ProcessStack], str]:

@@ -119,19 +119,40 @@ _FENCE = re.compile(r"^\s*```")
 _LINE_PREFIX = re.compile(
     r"\[(?:rank|RANK)\s*(?P<rank>\d{1,9})\]:\s?"
     r"|\[[\w|.-]+\]:\s?"
+    # Ray's actor prefix "(RayWorkerWrapper pid=4009, ip=10.0.0.1) ", with or without the
+    # colour codes around it (or their printable leftovers "[36m" once ESC is lost).
+    r"|(?:\x1b?\[\d{1,3}m)?\([\w.:-]+ pid=\d{1,12}(?:, ip=[\w.:-]+)?\)(?:\x1b?\[0m)?\s?"
+    # a quoted paste ("> " per line)
+    r"|>\s?(?=\S)"
     # a host or a clock only in front of a bracketed prefix ("RuntimeError: [1] ..." keeps its name)
     r"|(?:[\w.-]+:|(?:\d{4}-\d{2}-\d{2}[T ])?\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?)\s+(?=\[[\w|.-]+\]:)"
 )
 
-_PYSPY_PROCESS = re.compile(r"^Process (\d{1,12}): (.*?)\s*$")
+# Dumps pasted into a list or a quote keep their shape but gain a margin, so headers
+# may be indented too.
+_PYSPY_PROCESS = re.compile(r"^\s*Process (\d{1,12}): (.*?)\s*$")
 _PID_BANNER = re.compile(r"^=+\s*pid\s+(\d{1,12})\s*=+\s*$", re.IGNORECASE)
 _PYSPY_THREAD = re.compile(
-    r'^Thread\s*(?P<id>0[xX][0-9a-fA-F]+|\d+)?\s*\((?P<state>[a-z+]+)\)(?::\s*"(?P<name>.*)")?\s*$'
+    r'^\s*Thread\s*(?P<id>0[xX][0-9a-fA-F]+|\d+)?\s*\((?P<state>[a-z+]+)\)(?::\s*"(?P<name>.*)")?\s*$'
 )
+# A py-spy frame without its thread header (a paste that starts mid-dump): only a
+# location py-spy itself prints, "file.py:LINE" or a native library, counts.
+_PYSPY_LOOSE_FRAME = re.compile(
+    r"^\s+(?P<func>[\w<>.:~-][^()]*)\((?P<loc>[^()\s]+\.py:\d{1,9}|[^()\s]+\.(?:so|dylib)(?:\.[\d.]+)?)\)\s*$")
+# lldb `bt`: "* thread #1, queue = 'com.apple.main-thread', stop reason = signal SIGSTOP"
+# and "  * frame #0: 0x00000001aa919084 Metal`pthread_cond_wait + 12". The frame's tail
+# (" + 12", " at file.c:34:5") is split off in Python: a regex doing it backtracks on long lines.
+_LLDB_THREAD = re.compile(r"^\s*\*?\s*thread #(?P<num>\d+)(?:,\s*(?P<desc>.*))?$")
+_LLDB_FRAME = re.compile(r"^\s*\*?\s*frame #\d+:\s*(?:0x[0-9a-fA-F]+\s+)?(?P<lib>[^`\s]+)`(?P<rest>\S.*)$")
+_LLDB_AT = re.compile(r"\s+at\s+(?P<file>\S+?)(?::(?P<line>\d{1,9}))?(?::\d{1,9})?$")
+_OFFSET = re.compile(r"\s+\+\s+\d{1,12}$")
+# macOS crash reports: "3   libtorch_cpu.dylib   \t0x000000010a2f15f6 at::native::foo + 406"
+_MAC_CRASH_FRAME = re.compile(r"^\s*\d{1,4}\s+(?P<lib>\S+)\s+0x[0-9a-fA-F]+\s+(?P<rest>\S.*)$")
+_MAC_CRASH_THREAD = re.compile(r"^Thread (?P<num>\d+)(?: Crashed)?::?\s*(?P<desc>.*)$")
 _PYSPY_FRAME = re.compile(r"^(?P<indent>\s+)(?P<func>\S.*?)\s*\((?P<loc>[^()\s]*)\)\s*$")
 _PYSPY_LOCALS = re.compile(r"^(?P<indent>\s+)(?:Arguments|Locals):\s*$")
 _FAULT_THREAD = re.compile(
-    r"^(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)(?: \[(?P<name>[^\]]*)\])?"
+    r"^\s*(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)(?: \[(?P<name>[^\]]*)\])?"
     r" \(most recent call first\):\s*$"
 )
 _FAULT_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S.*?)\s*$')
@@ -326,6 +347,12 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
         elif m := _GDB_THREAD.match(line):
             lwp = _LWP.search(m.group("desc"))
             thread = new_thread(_ThreadBuilder("gdb", lwp.group(1) if lwp else m.group("num")))
+        elif m := _LLDB_THREAD.match(line):
+            thread = new_thread(_ThreadBuilder("lldb", m.group("num"), _lldb_name(m.group("desc"))))
+        elif m := _LLDB_FRAME.match(line):
+            current("lldb").frames.append(_native_frame(m.group("rest"), m.group("lib")))
+        elif m := _MAC_CRASH_THREAD.match(line):
+            thread = new_thread(_ThreadBuilder("maccrash", m.group("num"), m.group("desc").strip() or None))
         elif thread is not None and thread.kind == "pyspy" and (m := _PYSPY_LOCALS.match(line)):
             skip_indent = len(m.group("indent"))
         elif thread is not None and thread.kind == "pyspy" and (m := _PYSPY_FRAME.match(line)):
@@ -360,10 +387,34 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
                 thread.frames[-1] = Frame(last.function, m.group("file"), _line(m.group("line")))
         elif m := _OLD_PYSTACK_FRAME.match(line):
             current("oldpystack").frames.append(_frame(m))
+        elif thread is not None and thread.kind == "maccrash" and (m := _MAC_CRASH_FRAME.match(line)):
+            thread.frames.append(_native_frame(m.group("rest"), m.group("lib")))
+        elif (thread is None or thread.kind == "pyspy") and (m := _PYSPY_LOOSE_FRAME.match(line)):
+            file, _, lineno = m.group("loc").rpartition(":")
+            if not lineno.isdigit():
+                file, lineno = m.group("loc"), ""
+            current("pyspy").frames.append(Frame(m.group("func").strip(), file, _line(lineno)))
         elif (thread is not None and thread.kind == "traceback" and thread.frames
               and thread.exception is None and not line[0].isspace() and _EXCEPTION.match(line)):
             thread.exception = line.strip()
     return [p.build() for p in processes if p.threads or p.pid is not None]
+
+
+def _native_frame(rest: str, lib: str) -> Frame:
+    """An lldb or crash-report frame: "func + 12" or "func at file.c:34:5" in library `lib`."""
+    rest = rest.rstrip()
+    file, line = lib, None
+    if (at := _LLDB_AT.search(rest)) is not None:
+        file, line = at.group("file"), _line(at.group("line"))
+        rest = rest[:at.start()]
+    rest = _OFFSET.sub("", rest).strip()
+    return Frame(rest or "??", file, line)
+
+
+def _lldb_name(desc: str | None) -> str | None:
+    """The queue or name lldb prints for a thread, if any."""
+    m = re.search(r"(?:queue|name) = '([^']*)'", desc or "")
+    return m.group(1) if m else None
 
 
 def _line(value: str | None) -> int | None:

@@ -1,0 +1,124 @@
+"""How often `trainwatch explain` is right on the golden corpus of public failure text.
+
+The corpus is tests/fixtures/explain/: each NAME.txt is a text as posted in a
+public issue thread or log (first line: its source), NAME.expected.json its
+label, written before explain ran on it. The label's "meta" says which part
+of the corpus the text belongs to: "dev" (the rules were developed against
+it) or "heldout" (split off by source repository and scored only here), and
+"healthy" for noise that must not be called a fault.
+
+For each part this prints:
+
+- category accuracy: the share of texts whose labelled category (the first
+  expected finding's) is among explain's findings; a healthy text counts as
+  right when no finding is more severe than `low`;
+- top-1 accuracy: the share whose first finding above `info` has that category;
+- field accuracy for op, rank, xid and severity: over the labels that state
+  the field, how often the finding of the labelled category states it too;
+- healthy texts called a fault above `low`.
+
+The last line is one JSON object with the same figures.
+
+    PYTHONPATH=. python benchmarks/explain_accuracy.py [--verbose]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from trainwatch.diagnostics.explain import explain_inputs
+from trainwatch.diagnostics.xid import severity_rank
+
+CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explain"
+FIELDS = ("op", "rank", "xid", "severity")
+PARTS = ("dev", "heldout")
+
+
+def _label(path: Path) -> dict:
+    return json.loads(path.with_name(path.stem + ".expected.json").read_text())
+
+
+def _fault(finding: dict) -> bool:
+    """A finding that calls the text a fault: more severe than `low`."""
+    return severity_rank(finding.get("severity") or "info") > severity_rank("low")
+
+
+def score_text(path: Path) -> dict:
+    """One text's result: category right?, top-1 right?, field hits, false alarm."""
+    label = _label(path)
+    meta = label.get("meta", {})
+    started = time.perf_counter()
+    findings = explain_inputs([(path.name, path.read_bytes())])["findings"]
+    result = {"name": path.stem, "part": meta.get("split", "dev"), "seconds": time.perf_counter() - started,
+              "healthy": bool(meta.get("healthy")), "fields": {}, "got": [f["category"] for f in findings]}
+    if result["healthy"] or not label.get("findings"):
+        result["category_ok"] = result["top1_ok"] = not any(_fault(f) for f in findings)
+        result["false_alarm"] = not result["category_ok"]
+        result["want"] = "healthy"
+        return result
+    want = label["findings"][0]
+    result["want"] = want["category"]
+    same = [f for f in findings if f["category"] == want["category"]]
+    result["category_ok"] = bool(same)
+    ranked = [f for f in findings if severity_rank(f.get("severity") or "info") > 0] or findings
+    result["top1_ok"] = bool(ranked) and ranked[0]["category"] == want["category"]
+    result["false_alarm"] = False
+    stated = [field for field in FIELDS if field in want]
+    # The finding of the labelled category that agrees with the label the most.
+    best = max(same, key=lambda f: sum(f.get(k) == want[k] for k in stated), default={})
+    result["fields"] = {field: best.get(field) == want[field] for field in stated}
+    return result
+
+
+def summarize(results: list[dict]) -> dict:
+    """Accuracy figures of one part of the corpus."""
+    n = len(results)
+    out: dict = {
+        "texts": n,
+        "category_accuracy": round(sum(r["category_ok"] for r in results) / n, 4) if n else None,
+        "top1_accuracy": round(sum(r["top1_ok"] for r in results) / n, 4) if n else None,
+        "healthy_texts": sum(r["healthy"] for r in results),
+        "healthy_called_fault": sum(r["false_alarm"] for r in results),
+    }
+    for field in FIELDS:
+        hits = [r["fields"][field] for r in results if field in r["fields"]]
+        out[f"{field}_accuracy"] = round(sum(hits) / len(hits), 4) if hits else None
+        out[f"{field}_labels"] = len(hits)
+    out["slowest_text_s"] = round(max((r["seconds"] for r in results), default=0.0), 4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="list every text explain gets wrong")
+    parser.add_argument("--part", choices=PARTS, help="score only this part of the corpus")
+    args = parser.parse_args(argv)
+    texts = sorted(CORPUS.glob("*.txt"))
+    results = [score_text(p) for p in texts if args.part is None or _label(p).get("meta", {}).get("split") == args.part]
+    report = {}
+    for part in PARTS:
+        mine = [r for r in results if r["part"] == part]
+        if not mine:
+            continue
+        report[part] = summary = summarize(mine)
+        fields = ", ".join(f"{f} {summary[f + '_accuracy']:.1%} of {summary[f + '_labels']}"
+                           for f in FIELDS if summary[f + "_accuracy"] is not None)
+        print(f"{part:8s} {summary['texts']:3d} texts: category {summary['category_accuracy']:.1%}, "
+              f"top-1 {summary['top1_accuracy']:.1%}; fields: {fields}; "
+              f"healthy called a fault above low: {summary['healthy_called_fault']} of {summary['healthy_texts']}")
+        if args.verbose:
+            for r in mine:
+                wrong = [f for f, ok in r["fields"].items() if not ok]
+                if not r["category_ok"] or wrong:
+                    print(f"    {r['name']}: want {r['want']}, got {r['got']}"
+                          + (f", wrong fields {wrong}" if wrong else ""))
+    print(json.dumps(report, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

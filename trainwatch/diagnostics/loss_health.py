@@ -1,0 +1,161 @@
+"""Loss health in training logs: NaN gradient norms and a loss scale falling step after step.
+
+Training frameworks print the numbers trainwatch's live detectors watch
+(detectors/loss.py, detectors/training.py) in their own log lines:
+
+- Megatron / Megatron-DeepSpeed: `... | lm loss: 2.3E+00 | loss scale: 1.0 | grad norm: nan | ...`,
+  and `Rank 11: found NaN in local grad norm in backward pass ...` when it aborts;
+- HF Trainer: `{'loss': 0.0, 'grad_norm': nan, 'learning_rate': ...}`;
+- mmcv / Lightning / plain loops: `loss: nan`, `grad_norm=nan`;
+- DeepSpeed: `[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32`
+  and `Current loss scale already at minimum`;
+- apex / GradScaler wrappers: `Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 512.0`.
+
+`loss_health_findings` reads the series these lines form and reports the
+same incident kinds as the live detectors, with their runbooks:
+
+- `loss_nan` (critical) when the loss or the gradient norm is not finite and
+  stays so (two values or more, or the last value printed), or when the
+  framework itself aborts on a NaN; one non-finite value that a finite one
+  follows is a step the scaler skipped, reported as `low`;
+- `loss_scale_collapse` when the dynamic loss scale falls at least twice in a
+  row and ends at or below COLLAPSE_SCALE, far under where fp16 training
+  settles (a scale calibrating down from 2^16 or 2^32 in the first steps is
+  healthy and reported as nothing); `high` once the scale is below 1 or at
+  the scaler's minimum.
+
+Every finding keeps the lines it was read from as evidence. Pure functions of the text.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from trainwatch.diagnostics.findings import error_finding
+
+COLLAPSE_SCALE = 128.0
+"""A loss scale at or below this after falling step after step is a collapse: fp16 training
+normally settles between 2^10 and 2^16, and calibration from 2^16 or 2^32 stops well above it."""
+MIN_FALLS = 2
+"""Consecutive reductions (without a rise between them) that make a trend, not a single overflow."""
+_MAX_EVIDENCE_LINES = 3
+
+_NUM = r"(?P<value>[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?))"
+# "grad norm: nan", "grad_norm: nan", "'grad_norm': nan", "grad_norm=nan", "grad-norm nan"
+_GRAD_NORM = re.compile(r"(?i)\bgrad[\s_-]?norm['\"]?\s*[:=]?\s*" + _NUM + r"(?![\w.])")
+# "loss: nan", "'loss': nan", "lm loss: nan", "loss=nan", "train_loss: nan" (not "loss scale", "loss_ce")
+_LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train[_ ]|total[_ ])?loss['\"]?\s*[:=]\s*" + _NUM + r"(?![\w.])")
+_ABORT_NAN = re.compile(
+    r"(?i)(?:Rank\s*(?P<rank>\d{1,9})\s*:\s*)?found\s*(?:NaN|Inf)\s*in\s*local\s*grad\s*norm"
+    r"|Bad\s*grad_?norm\s*detected\s*\(grad_?norm\s*=\s*nan\)"
+    r"|(?:loss|grad(?:ient)?[\s_]norm)\s*is\s*(?:NaN|not\s*finite)")
+# DeepSpeed: "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32"
+_DS_OVERFLOW = re.compile(
+    r"OVERFLOW!\s*Rank\s*(?P<rank>\d{1,9})\s*Skipping\s*step\.\s*Attempted\s*loss\s*scale:\s*"
+    r"(?P<before>[\d.eE+]+)\s*,\s*reducing\s*to\s*(?P<after>[\d.eE+]+)")
+# apex amp / fairseq: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 512.0"
+_APEX_OVERFLOW = re.compile(r"(?i)reducing\s*loss\s*scale\s*to\s*(?P<after>[\d.eE+]+)")
+_SCALE_MINIMUM = re.compile(r"(?i)(?:current\s*)?loss\s*scale\s*already\s*at\s*minimum|"
+                            r"minimum\s*loss\s*scale\s*reached")
+_RANK_PREFIX = re.compile(r"\[rank(\d{1,9})\]")
+_NEEDLES = ("nan", "inf", "loss", "norm", "overflow")
+
+
+def _value(text: str) -> float | None:
+    try:
+        return float(text)
+    except (ValueError, OverflowError):
+        return None
+
+
+def _evidence(lines: list[str]) -> str:
+    """The first and last lines of a series (a long series would drown the report)."""
+    picked = lines if len(lines) <= _MAX_EVIDENCE_LINES else [lines[0], lines[-1]]
+    return "\n".join(line.strip()[:400] for line in picked)
+
+
+def _series(lines: list[str]) -> tuple[list[tuple[float, str]], list[tuple[str, str, int | None]],
+                                       list[tuple[float, float | None, str, int | None]], list[str]]:
+    """(metric values, abort lines, scale reductions, scale-at-minimum lines), in log order."""
+    metrics: list[tuple[float, str]] = []
+    aborts: list[tuple[str, str, int | None]] = []
+    reductions: list[tuple[float, float | None, str, int | None]] = []
+    minimum: list[str] = []
+    for line in lines:
+        lower = line.lower()
+        if not any(needle in lower for needle in _NEEDLES):
+            continue
+        prefix = _RANK_PREFIX.search(line)
+        line_rank = int(prefix.group(1)) if prefix else None
+        if m := _ABORT_NAN.search(line):
+            rank = int(m.group("rank")) if m.group("rank") else line_rank
+            aborts.append((line, m.group(0), rank))
+        if m := _DS_OVERFLOW.search(line):
+            reductions.append((_value(m.group("after")) or 0.0, _value(m.group("before")), line,
+                               int(m.group("rank"))))
+        elif m := _APEX_OVERFLOW.search(line):
+            reductions.append((_value(m.group("after")) or 0.0, None, line, line_rank))
+        if _SCALE_MINIMUM.search(line):
+            minimum.append(line)
+        # One value per line: a line with both prints the grad norm next to the loss it came from.
+        m = _GRAD_NORM.search(line) or _LOSS.search(line)
+        if m and (value := _value(m.group("value"))) is not None:
+            metrics.append((value, line))
+    return metrics, aborts, reductions, minimum
+
+
+def _nan_findings(metrics: list[tuple[float, str]], aborts: list[tuple[str, str, int | None]]) -> list[dict]:
+    """loss_nan from a framework's own abort, or from the printed loss / grad-norm series."""
+    if aborts:
+        line, said, rank = aborts[0]
+        finding = error_finding("loss_nan", _evidence([a[0] for a in aborts]))
+        finding.update(rank=rank, ranks=sorted({a[2] for a in aborts if a[2] is not None}) or None,
+                       reason=said.strip(), source="framework_abort")
+        return [finding]
+    bad = [(v, line) for v, line in metrics if not math.isfinite(v)]
+    if not bad:
+        return []
+    last_bad = max(i for i, (v, _) in enumerate(metrics) if not math.isfinite(v))
+    recovered = any(math.isfinite(v) for v, _ in metrics[last_bad + 1:])
+    finding = error_finding("loss_nan", _evidence([line for _, line in bad]))
+    finding.update(non_finite_values=len(bad), values_read=len(metrics), recovered=recovered)
+    if recovered and len(bad) == 1:
+        # One skipped step (an fp16 overflow the scaler handled) with finite values after it.
+        finding["severity"] = "low"
+    return [finding]
+
+
+def _scale_findings(reductions: list[tuple[float, float | None, str, int | None]],
+                    minimum: list[str]) -> list[dict]:
+    """loss_scale_collapse from a run of loss-scale reductions ending low, or the scaler's floor."""
+    if not reductions and not minimum:
+        return []
+    # The latest run of reductions in a row: a reduction whose "before" is higher than the
+    # previous "after" means the scale grew again in between and a new run starts.
+    run: list[tuple[float, float | None, str, int | None]] = []
+    for reduction in reductions:
+        if run and reduction[1] is not None and reduction[1] > run[-1][0]:
+            run = []
+        run.append(reduction)
+    final = run[-1][0] if run else None
+    collapsed = bool(minimum) or (len(run) >= MIN_FALLS and final is not None and final <= COLLAPSE_SCALE)
+    if not collapsed:
+        return []
+    lines = [r[2] for r in run] + minimum
+    finding = error_finding("loss_scale_collapse", _evidence(lines))
+    ranks = sorted({r[3] for r in run if r[3] is not None})
+    finding.update(rank=ranks[0] if len(ranks) == 1 else None, ranks=ranks or None,
+                   loss_scale=final, reductions=len(run), at_minimum=bool(minimum))
+    if minimum or (final is not None and final < 1.0):
+        finding["severity"] = "high"
+    return [finding]
+
+
+def loss_health_findings(lines: list[str]) -> list[dict]:
+    """loss_nan and loss_scale_collapse findings (kind "error") read from log lines."""
+    metrics, aborts, reductions, minimum = _series(lines)
+    findings = _nan_findings(metrics, aborts) + _scale_findings(reductions, minimum)
+    for finding in findings:
+        finding["_role"] = "finding"
+    return findings
