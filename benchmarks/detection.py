@@ -5,7 +5,12 @@
 For every fault kind a real 4-rank job of the integrated trainer runs with the
 fault injected inside one rank (alert-only mode). Latency runs from the moment
 the fault really began (recorded by the faulting process, CLOCK_MONOTONIC) to
-the incident (the sidecar's detection time, same clock). Then: a healthy
+the incident (the sidecar's detection time, same clock). `diagnose --json` is
+polled every 0.5 s from the start to 10 s after the detection:
+incidents_per_fault counts the incidents of the fault's kind (goal 1.0) and
+verdict_agrees the share of polls after the detection whose verdict names the
+incident's culprit and kind (goal 1.0; healthy_before_detection counts polls
+between the fault and its detection that said `healthy`). Then: a healthy
 200-step run with checkpoints and a slow first step (false incidents); the
 client corpus (tests/clients/: Fabric, Lightning, accelerate, FSDP, pipeline,
 eval loops, ...) run healthy and unmodified, twice, beside a CPU-hog process
@@ -26,7 +31,7 @@ import uuid
 
 import psutil
 
-from common import ROOT, events, faults_fired, job_json, launch, log, new_home, stop, wait_for
+from common import BIN, ROOT, env_for, events, faults_fired, job_json, launch, log, new_home, stop, wait_for
 
 CULPRIT = 2
 TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", "100000", "--log-interval", "100000"]
@@ -68,23 +73,64 @@ FAULT_WORKLOAD = {"straggler_zero_code": [str(ROOT / "tests" / "scripts" / "plai
 """Faults run in another workload than the integrated trainer (TRAINER)."""
 
 
-def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float) -> dict:
+def diagnose(home, job: str) -> dict | None:
+    r = subprocess.run([str(BIN / "trainwatch"), "diagnose", job, "--json", "--timeout", "4"],
+                       env=env_for(home), capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    try:
+        return json.loads(r.stdout) if r.returncode == 0 else None
+    except ValueError:
+        return None
+
+
+def names(verdict: dict, incident: dict) -> bool:
+    """The verdict tells the incident's story: its culprits, and its kind (or the
+    category or runbook the incident carries)."""
+    return (verdict.get("culprit_ranks") == incident.get("culprit_ranks")
+            and (verdict.get("category") in (incident.get("kind"), incident.get("category"))
+                 or verdict.get("runbook") == incident.get("runbook")))
+
+
+def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float, observe_s: float = 10.0) -> dict:
+    """The fault's run: polls `diagnose` from the start until `observe_s` after
+    the detection, then counts the incidents of the kind (goal 1) and the polls
+    whose verdict names the incident (goal 1.0 after detection; none `healthy`
+    between the fault and its detection)."""
     home = new_home(name)
     klog = home / "kern.log"
     klog.write_text("")
     proc = launch(home, "--nproc-per-node", str(ranks), "--job", name, "--no-restart", "--inject", spec,
                   "--kernel-log", str(klog), *FAULT_FLAGS.get(name, []), *FAULT_WORKLOAD.get(name, TRAINER))
+    polls: list[tuple[float, dict]] = []
+    found, deadline, seen_at = [], time.monotonic() + timeout, None
     try:
-        found = wait_for(lambda: [e for e in events(home, name) if e["kind"] == kind], timeout)
+        while time.monotonic() < deadline:
+            report = diagnose(home, name)
+            if report is not None:
+                polls.append((time.time(), report))
+            found = [e for e in events(home, name) if e["kind"] == kind]
+            if found and seen_at is None:
+                seen_at = time.monotonic()
+            if seen_at is not None and time.monotonic() - seen_at >= observe_s:
+                break
+            time.sleep(0.5)
         fired = faults_fired(home, name)
+        found = [e for e in events(home, name) if e["kind"] == kind]
     finally:
         stop(proc)
-    result = {"detected": bool(found), "culprit_ok": False, "latency_s": None}
+    result = {"detected": bool(found), "culprit_ok": False, "latency_s": None, "incidents_per_fault": len(found),
+              "verdict_agrees": None, "healthy_before_detection": None}
     if found:
         incident = found[0]
         result["culprit_ok"] = incident["culprit_ranks"] == [CULPRIT]
         if fired:
             result["latency_s"] = round(incident["detected_mono"] - fired[0]["mono"], 3)
+            fired_wall = fired[0].get("wall")
+            if isinstance(fired_wall, (int, float)):
+                before = [r for t, r in polls if fired_wall <= t < incident["opened_time"]]
+                result["healthy_before_detection"] = sum(r["verdict"]["category"] == "healthy" for r in before)
+        after = [r for t, r in polls if t >= incident.get("opened_time", 0) + 1.0]
+        if after:
+            result["verdict_agrees"] = round(sum(names(r["verdict"], incident) for r in after) / len(after), 3)
         result["summary"] = incident["summary"][:200]
     return result
 
@@ -177,7 +223,9 @@ def main() -> None:
         r = run_fault(name, spec, kind, args.ranks, args.timeout)
         r["torchrun_alone"] = torchrun
         faults[name] = r
-        log(f"  detected={r['detected']} culprit_ok={r['culprit_ok']} latency={r['latency_s']}s")
+        log(f"  detected={r['detected']} culprit_ok={r['culprit_ok']} latency={r['latency_s']}s "
+            f"incidents={r['incidents_per_fault']} verdict_agrees={r['verdict_agrees']} "
+            f"healthy_before={r['healthy_before_detection']}")
     false_incidents, cpu = None, None
     if not args.skip_healthy:
         log("healthy 200-step run (checkpoints every 20 steps, slow first step) ...")
@@ -196,8 +244,13 @@ def main() -> None:
 
     tick = benchmark_tick(4096, 50)
     log(f"  tick_ms_4096_ranks = {tick:.2f}")
+    detected = [f for f in faults.values() if f["detected"]]
     print(json.dumps({
         "faults": faults,
+        "incidents_per_fault": None if not detected else round(
+            sum(f["incidents_per_fault"] for f in detected) / len(detected), 3),
+        "verdict_agrees": None if not detected else round(
+            sum(f["verdict_agrees"] or 0.0 for f in detected) / len(detected), 3),
         "false_incidents": false_incidents,
         "false_incidents_clients": None if clients is None else sum(c["incidents"] for c in clients.values()),
         "restarts_clients": None if clients is None else sum(c["restarts"] for c in clients.values()),

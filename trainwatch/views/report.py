@@ -99,6 +99,10 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
             "runbook": str(e.get("runbook") or ""),
             "category": str(e.get("category") or ""),
             "severity": str(e.get("severity") or ""),
+            "id": str(e.get("id") or ""),
+            # open / resolved, and for how long: the same lifecycle the console and diagnose show
+            "status": str(e.get("status") or ""),
+            "duration_s": state.finite_number(e.get("duration_s")),
         })
     events.sort(key=lambda e: e["t"])
     nsamples, series = d.read_history()

@@ -36,13 +36,14 @@ the restart."""
 class TrainwatchAgent(LocalElasticAgent):
     def __init__(self, *args: Any, job: str, segment: slots.Segment, run_id: str = "", sidecar: Any = None,
                  on_event: Callable[[str, dict], None] | None = None, emergency_timeout_s: float = 10.0,
-                 zygote: warmstart.Zygote | None = None, **kwargs: Any):
+                 zygote: warmstart.Zygote | None = None, node: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.job = job
         self.run_id = run_id
         self.segment = segment
         self.sidecar = sidecar
-        self.node = socket.gethostname()
+        self.node = node or socket.gethostname()
+        """This node's name (`--node-name`, else the hostname): in job.json, exits and crash texts."""
         self._on_event = on_event or (lambda kind, data: None)
         self.restart_count = 0
         self.dir = state.JobDir(job)
@@ -51,6 +52,8 @@ class TrainwatchAgent(LocalElasticAgent):
         self._survivors_saved = -1
         self._usage_failures = 0
         self._first_failed: set[int] = set()
+        self._early_exits: set[int] = set()
+        """Local ranks that exited 0 without finishing while their peers ran (see _checkpoint_survivors)."""
         self.zygote = zygote
         """Warm start: workers are forked from it (None: fresh interpreters, as torchrun)."""
 
@@ -60,6 +63,7 @@ class TrainwatchAgent(LocalElasticAgent):
         # A restarted worker must not inherit its predecessor's step or phase.
         for i in range(self.segment.nslots):
             self.segment.clear(i)
+        self._early_exits = set()
         if self.zygote is not None and not self.zygote.alive():
             print("[trainwatch] the warm-start process exited; starting a new one", flush=True)
             self.zygote = warmstart.Zygote(self.zygote.preload, self.zygote.entry, self.zygote.job)
@@ -164,9 +168,23 @@ class TrainwatchAgent(LocalElasticAgent):
             self._remaining_restarts = 0
         self._usage_failures += 1
 
+    def _finished(self, local_rank: int) -> bool:
+        """Whether a rank's slot says it finished (its exit hooks set phase 'done')."""
+        try:
+            table = self.segment.read_table()
+        except (OSError, ValueError):
+            return True
+        rows = table[(table["local_rank"] == local_rank) & (table["pid"] > 0)]
+        return not len(rows) or bool((rows["phase"] == slots.PHASE_CODES["done"]).all())
+
     def _report_exits(self, worker_group: WorkerGroup, result: RunResult) -> None:
         by_rank = {w.global_rank: w for w in worker_group.workers}
         lines = []
+        for w in worker_group.workers:
+            if w.local_rank in self._early_exits and w.global_rank not in result.failures:
+                lines.append({"rank": w.global_rank, "local_rank": w.local_rank, "pid": w.id or 0, "exitcode": 0,
+                              "signal_name": None, "node": self.node, "run": self.run_id, "time": time.time(),
+                              "first": True, "early": True})
         for rank, failure in result.failures.items():
             worker = by_rank.get(rank)
             signal_name = None
@@ -203,11 +221,18 @@ class TrainwatchAgent(LocalElasticAgent):
             codes = {lr: h.proc.poll() for lr, h in handlers.items()}
         except AttributeError:  # a torch without subprocess handlers: nothing to do early
             return
+        alive_now = [lr for lr, code in codes.items() if code is None]
+        for lr, code in codes.items():
+            # Exit 0 with its exit hooks never run (os._exit(0)) while peers still
+            # train: the peers will fail or stall for want of it.
+            if code == 0 and alive_now and lr not in self._early_exits and not self._finished(lr):
+                self._early_exits.add(lr)
         if not any(code not in (None, 0) for code in codes.values()):
             return
         self._survivors_saved = self.restart_count
-        # Dead while the others still run: the root cause, whatever follows.
-        self._first_failed = {lr for lr, code in codes.items() if code not in (None, 0)}
+        # Dead while the others still run: the root cause, whatever follows
+        # (a rank that left early before them is the cause of their failure).
+        self._first_failed = self._early_exits or {lr for lr, code in codes.items() if code not in (None, 0)}
         alive = [lr for lr, code in codes.items() if code is None]
         if not alive:
             return

@@ -312,6 +312,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         sidecar=sidecar,
         emergency_timeout_s=config.sidecar.actions.emergency_timeout_s,
         zygote=zygote,
+        node=node,
     )
 
     status, code = "failed", 1

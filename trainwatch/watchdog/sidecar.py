@@ -364,7 +364,8 @@ def _rank_exit(line: bytes, node: str, run: str = "") -> RankExit | None:
     signal_name = e.get("signal_name")
     return RankExit(rank=e["rank"], local_rank=e["local_rank"], pid=e["pid"], exitcode=e["exitcode"],
                     signal_name=signal_name if isinstance(signal_name, str) else None,
-                    node=e["node"] if isinstance(e.get("node"), str) else node, first=e.get("first") is True)
+                    node=e["node"] if isinstance(e.get("node"), str) else node, first=e.get("first") is True,
+                    early=e.get("early") is True)
 
 
 def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:

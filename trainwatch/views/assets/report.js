@@ -208,7 +208,7 @@
     if (!data.events.length) return;
     var table = document.createElement("table");
     var head = table.insertRow();
-    ["time", "kind", "culprit ranks", "what happened", "runbook"].forEach(function (h) {
+    ["time", "kind", "culprit ranks", "what happened", "status", "runbook", "id"].forEach(function (h) {
       var th = document.createElement("th"); th.textContent = h; head.appendChild(th);
     });
     data.events.forEach(function (e) {
@@ -220,7 +220,10 @@
       row.insertCell().appendChild(badge);
       row.insertCell().textContent = e.culprits.join(", ") || "-";
       row.insertCell().textContent = e.summary;
+      row.insertCell().textContent = e.status === "resolved" && e.duration_s !== null
+        ? "resolved after " + e.duration_s.toFixed(1) + " s" : (e.status || "");
       row.insertCell().textContent = e.runbook ? "trainwatch runbook " + e.runbook : "";
+      row.insertCell().textContent = e.id || "";
     });
     box.appendChild(table);
   }

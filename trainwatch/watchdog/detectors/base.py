@@ -48,6 +48,9 @@ class RankExit:
     """Node label of the rank."""
     first: bool = False
     """True when the launcher saw this rank dead while its peers still ran: the root cause."""
+    early: bool = False
+    """Exited with code 0 before it finished (its exit hooks never ran, as after
+    os._exit(0)) while its peers still ran: they fail or stall for want of it."""
 
     @classmethod
     def from_exitcode(cls, *, rank: int, local_rank: int, pid: int, exitcode: int, node: str = "") -> RankExit:
@@ -62,7 +65,7 @@ class RankExit:
 
     @property
     def failed(self) -> bool:
-        return self.exitcode != 0 or self.signal_name is not None
+        return self.exitcode != 0 or self.signal_name is not None or self.early
 
 
 @dataclass(slots=True)

@@ -68,6 +68,9 @@ class ExitDetector(Detector):
             where += f" on {','.join(nodes)}"
         if first.signal_name:
             how = f"{'was' if len(exits) == 1 else 'were'} killed by {first.signal_name}"
+        elif first.early:
+            how = (f"exited with code 0 before finishing (its exit hooks never ran: os._exit?) while its peers "
+                   f"still trained")
         else:
             how = f"exited with code {first.exitcode}"
         text = f"crash: {describe_ranks(e.rank for e in exits)} ({where}) {how}"

@@ -257,10 +257,11 @@ class StepTimeDetector(Detector):
                 f"{first['step_s']:.2f} s, {first['step_s'] / max(first['median_s'], 1e-9):.1f}x its median "
                 f"{first['median_s']:.2f} s; the extra {first['excess_s']:.2f} s went to {_TEXT[label]} "
                 f"({label} {first['phases'].get(label, float('nan')):.2f} s, usually {first['usual'][label]:.2f} s)")
-        if ep.victims:
-            text += f"; {describe_ranks(ep.victims)} waited for it"
+        victims = [r for r in ep.victims if r not in ep.culprits]  # a culprit is never its own victim
+        if victims:
+            text += f"; {describe_ranks(victims)} waited for it"
         return Incident(
-            kind="step_time_spike", culprit_ranks=list(ep.culprits), victims=list(ep.victims), summary=text,
+            kind="step_time_spike", culprit_ranks=list(ep.culprits), victims=victims, summary=text,
             severity="medium", runbook="step-time-spike", category=None,
             evidence=_evidence(ep, label), key=ep.key, detected_mono=ep.since,
         )
