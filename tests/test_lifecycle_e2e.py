@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import time
 
 import pytest
@@ -55,19 +56,28 @@ def test_a_hang_is_one_story_in_every_reader(tmp_path, floor):
                             *TRAINER, "--max-steps", "60")
     polls: list[tuple[float, dict]] = []
     gauges: list[dict] = []
-    try:
-        def hang_seen():
-            if proc.poll() is not None:
-                return True
+    stop = threading.Event()
+
+    def scrape():  # the exporter, read every 0.1 s (a hang is open for seconds)
+        while not stop.is_set():
             rec = job_json(tmp_path, job)
             if rec and rec.get("metrics"):
                 try:
                     gauges.append(open_gauge(rec))
                 except requests.RequestException:
                     pass
+            stop.wait(0.1)
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    try:
+        def hang_seen():
+            if proc.poll() is not None:
+                return True
+            asked = time.time()  # what diagnose says is about the moment it was asked
             report = diagnose(tmp_path, job)
             if report is not None:
-                polls.append((time.time(), report))
+                polls.append((asked, report))
             time.sleep(0.5)
             done = [e for e in events(tmp_path, job) if e["kind"] == "hang" and e.get("status") == "resolved"]
             return bool(done)
@@ -75,6 +85,8 @@ def test_a_hang_is_one_story_in_every_reader(tmp_path, floor):
         wait_for(hang_seen, 240, interval=0.0, what="the hang to be detected, restarted and resolved")
         assert proc.wait(timeout=240) == 0, log_path.read_text()[-4000:]
     finally:
+        stop.set()
+        scraper.join(timeout=10)
         stop_group(proc)
         reap(tmp_path)
     console = log_path.read_text()

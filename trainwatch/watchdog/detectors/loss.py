@@ -225,6 +225,7 @@ class LossHealthDetector(Detector):
             text = f"loss_nan: {describe_ranks(ranks[c_rows])} reported grad norm {value} at step {step} (loss finite)"
         return Incident(
             kind="loss_nan",
+            key="loss_nan",  # one episode per kind, however many ranks join it (the NaN spreads)
             culprit_ranks=ranks[c_rows].tolist(),
             victims=ranks[v_rows].tolist(),
             summary=text,
@@ -252,6 +253,7 @@ class LossHealthDetector(Detector):
         )
         return Incident(
             kind="loss_spike",
+            key="loss_spike",  # one episode per kind, however many ranks join it (the NaN spreads)
             culprit_ranks=ranks.tolist(),
             summary=text,
             severity="medium",
@@ -280,6 +282,7 @@ class LossHealthDetector(Detector):
         )
         return Incident(
             kind="grad_explosion",
+            key="grad_explosion",  # one episode per kind, however many ranks join it (the NaN spreads)
             culprit_ranks=ranks.tolist(),
             summary=text,
             severity="high",
