@@ -664,3 +664,52 @@ def test_render_report_cuts_long_evidence() -> None:
     text = render_report({"findings": [finding], "errors": []})
     evidence = next(line for line in text.splitlines() if "evidence:" in line)
     assert len(evidence) < 300 and evidence.endswith("...")
+
+
+# -- DataLoader worker processes, boxed tracebacks, lines stating their own fatality ----------
+
+_WORKER_NATIVE = """\
+Process 40211: /usr/bin/python3 -u finetune.py --config cfg.yaml
+Python v3.11.9 (/usr/bin/python3.11)
+
+Thread 40211 (idle): "MainThread"
+    __futex_abstimed_wait_common (libc.so.6)
+    __new_sem_wait_slow64.constprop.0 (libc.so.6)
+    PyThread_acquire_lock_timed (python3.11)
+    _multiprocessing_SemLock_acquire_impl (semaphore.c:355)
+    get (multiprocessing/queues.py:102)
+    _worker_loop (torch/utils/data/_utils/worker.py:309)
+    run (multiprocessing/process.py:108)
+    _bootstrap (multiprocessing/process.py:314)
+    _launch (multiprocessing/popen_fork.py:71)
+    __init__ (multiprocessing/popen_fork.py:19)
+    _Popen (multiprocessing/context.py:281)
+    start (multiprocessing/process.py:121)
+    __init__ (torch/utils/data/dataloader.py:1104)
+    _get_iterator (torch/utils/data/dataloader.py:437)
+    __iter__ (torch/utils/data/dataloader.py:493)
+    run_eval (finetune.py:311)
+"""
+
+
+def test_a_dataloader_worker_process_dump_is_the_data_pipeline() -> None:
+    (finding,) = explain_inputs([("worker.txt", _WORKER_NATIVE.encode())])["findings"]
+    assert (finding["category"], finding["severity"], finding["runbook"]) == ("dataloader", "medium", "dataloader-stall")
+    assert "_worker_loop" in finding["evidence"]
+
+
+def test_a_boxed_traceback_is_read_through_its_frame() -> None:
+    text = ("╭──────────── Traceback (most recent call last) ────────────╮\n"
+            "│ /srv/job/train.py:57 in main                               │\n"
+            "│ ❱ 57 │   │   dist.barrier()                                │\n"
+            "│ /srv/venv/lib/python3.12/site-packages/torch/distributed/d │\n"
+            "│ istributed_c10d.py:4635 in barrier                         │\n"
+            "╰────────────────────────────────────────────────────────────╯\n")
+    (finding,) = explain_inputs([("tb.txt", text.encode())])["findings"]
+    assert (finding["category"], finding["op"]) == ("barrier", "barrier")
+
+
+def test_an_xid_line_calling_itself_nonfatal_is_low() -> None:
+    text = "[Tue Mar  3 04:05:06 2026] NVRM: Xid (PCI:0000:41:00): 144, SAW_MVB Nonfatal XC0 i0 Link 5 (0x0 0x1)\n"
+    (finding,) = explain_inputs([("dmesg.txt", text.encode())])["findings"]
+    assert (finding["xid"], finding["severity"]) == (144, "low")

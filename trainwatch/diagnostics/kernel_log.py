@@ -21,9 +21,13 @@ from trainwatch.diagnostics.xid import (
     ACTIONS,
     ECC_CODES,
     ECC_RUNBOOK,
+    STATED_FATAL_SEVERITY,
+    STATED_NONFATAL_ACTION,
+    STATED_NONFATAL_SEVERITY,
     XID_RUNBOOK,
     lookup,
     severity_rank,
+    stated_fatality,
     sxid_info,
 )
 
@@ -262,6 +266,14 @@ def _event(code: int, *, pci: str | None, pid: int | None, process: str | None,
     if cause is not None and severity_rank(cause.severity) >= severity_rank(severity):
         # A follow-on is as bad as the fault it follows, and needs what that fault needs.
         severity, action = cause.severity, cause.action
+    stated = None if is_sxid else stated_fatality(record)  # sxid_info already read the wording
+    if stated == "nonfatal":
+        # One number covers fatal and non-fatal forms (NVLink Xids 144-150); the line's own
+        # word beats the table's default, which has to assume the worse form.
+        severity, action = STATED_NONFATAL_SEVERITY, STATED_NONFATAL_ACTION
+    elif stated == "fatal" and severity_rank(severity) < severity_rank(STATED_FATAL_SEVERITY):
+        severity = STATED_FATAL_SEVERITY
+        action = action if ACTIONS.index(action) >= ACTIONS.index("reset_gpu") else "reset_gpu"
     recovery = _recovery_action(record)
     if recovery is not None:
         # The driver's own recovery request beats the table's generic advice.
