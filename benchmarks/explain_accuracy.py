@@ -3,9 +3,11 @@
 The corpus is tests/fixtures/explain/: each NAME.txt is a text as posted in a
 public issue thread or log (first line: its source), NAME.expected.json its
 label, written before explain ran on it. The label's "meta" says which part
-of the corpus the text belongs to: "dev" (the rules were developed against
-it) or "heldout" (split off by source repository and scored only here), and
-"healthy" for noise that must not be called a fault.
+of the corpus the text belongs to, split by source repository: "dev" (the
+rules were developed against it), "heldout" (never seen before it is scored
+here: the honest figure) or "retired" (an earlier held-out set whose results
+were seen and studied, so it no longer measures generalisation; still scored,
+labelled as seen), and "healthy" for noise that must not be called a fault.
 
 For each part this prints:
 
@@ -35,7 +37,8 @@ from trainwatch.diagnostics.xid import severity_rank
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explain"
 FIELDS = ("op", "rank", "xid", "severity")
-PARTS = ("dev", "heldout")
+PARTS = ("dev", "retired", "heldout")
+PART_TITLES = {"dev": "dev", "retired": "retired (held-out round 1, seen)", "heldout": "heldout (fresh, unseen)"}
 
 
 def _label(path: Path) -> dict:
@@ -105,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         if not mine:
             continue
         report[part] = summary = summarize(mine)
+        # Only the held-out part was unseen when it was scored; dev and retired results were studied.
+        summary["seen_before_scoring"] = part != "heldout"
         fields = ", ".join(f"{f} {summary[f + '_accuracy']:.1%} of {summary[f + '_labels']}"
                            for f in FIELDS if summary[f + "_accuracy"] is not None)
-        print(f"{part:8s} {summary['texts']:3d} texts: category {summary['category_accuracy']:.1%}, "
+        print(f"{PART_TITLES[part]}: {summary['texts']} texts: category {summary['category_accuracy']:.1%}, "
               f"top-1 {summary['top1_accuracy']:.1%}; fields: {fields}; "
               f"healthy called a fault above low: {summary['healthy_called_fault']} of {summary['healthy_texts']}")
         if args.verbose:
