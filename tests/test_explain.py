@@ -322,6 +322,22 @@ def test_one_nan_grad_norm_that_recovers_is_low() -> None:
     assert (finding["category"], finding["severity"], finding["recovered"]) == ("loss_nan", "low", True)
 
 
+@pytest.mark.parametrize("lines", [
+    # a loss term, a bare "Loss nan" pair, a table of metrics
+    ["iter: 10 loss_seg: 0.731 loss_scale: 65536.0", "iter: 20 loss_seg: nan loss_scale: 2048.0",
+     "iter: 30 loss_seg: nan loss_scale: 4.0"],
+    ["Step 100   Loss 3.2104   lr 0.0004", "Step 110   Loss nan   lr 0.0004", "Step 120   Loss nan   lr 0.0004"],
+    ["| loss      | 0.412 |", "| step      | 9e+03 |", "| loss      | nan   |", "| loss      | nan   |"],
+])
+def test_a_loss_that_turns_nan_reads_in_any_log_shape(lines: list[str]) -> None:
+    (finding,) = explain_inputs([("train.log", "\n".join(lines).encode())])["findings"]
+    assert (finding["category"], finding["severity"]) == ("loss_nan", "critical")
+
+
+def test_the_loss_scale_is_not_a_loss() -> None:
+    assert explain_inputs([("train.log", b"loss_scale: nan\nloss scale 0.0\nloss_scaler 1\n")])["findings"] == []
+
+
 def test_framework_nan_abort_names_its_rank() -> None:
     text = b"[rank3]: AssertionError: Rank 3: found NaN in local grad norm in backward pass before data-parallel " \
            b"communication collective. Device: 3, node: gpu-17\n"

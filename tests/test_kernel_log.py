@@ -402,3 +402,11 @@ def test_sxid_and_xid_read_fatality_alike():
         "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error\n"
         "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 30 LTSSM Fault Up\n")
     assert (nonfatal["severity"], fatal["severity"]) == ("low", "high")
+
+
+def test_nvml_xid_events_as_device_plugins_log_them():
+    (finding,) = xid_findings(
+        "2024/05/06 07:08:09 XidCriticalError: Xid=94 on Device=GPU-0f1e2d3c-0000-1111-2222-333344445555, "
+        "the device will go unhealthy.\n"
+        "2024/05/06 07:08:09 'nvidia.com/gpu' device marked unhealthy: GPU-0f1e2d3c-0000-1111-2222-333344445555\n")
+    assert (finding["xid"], finding["category"], finding["pci"]) == (94, "ecc", None)
