@@ -3,8 +3,11 @@
 The corpus is tests/fixtures/explain/: each NAME.txt is a text as posted in a
 public issue thread or log (first line: its source), NAME.expected.json its
 label, written before explain ran on it. The label's "meta" says which part
-of the corpus the text belongs to: "dev" (the rules were developed against
-it) or "heldout" (split off by source repository and scored only here), and
+of the corpus the text belongs to, split by source repository: "dev" (the
+rules were developed against it), "heldout" (never seen before it is scored
+here: the honest figure is its first score, kept in FIRST_UNSEEN_SCORE) or
+"retired" (an earlier held-out set whose results were seen and studied, so it
+no longer measures generalisation; still scored, labelled as seen), and
 "healthy" for noise that must not be called a fault.
 
 For each part this prints:
@@ -35,7 +38,17 @@ from trainwatch.diagnostics.xid import severity_rank
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explain"
 FIELDS = ("op", "rank", "xid", "severity")
-PARTS = ("dev", "heldout")
+PARTS = ("dev", "retired", "heldout")
+PART_TITLES = {"dev": "dev", "retired": "retired (held-out round 1, seen)", "heldout": "heldout (round 2)"}
+FIRST_UNSEEN_SCORE = {
+    "heldout": {"round": 2, "texts": 47, "category_right": 34, "category_accuracy": 0.7234,
+                "top1_accuracy": 0.7234, "healthy_called_fault": 0, "scored_at": "82aea84"},
+}
+"""A held-out part's score from the run before any rule was written with its misses in view: the
+honest generalisation figure. Once its misses are studied the live figures below stop measuring it."""
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
+"""Whether a part's misses have been looked at while writing rules. The round-2 held-out set's were
+(after its first score, see FIRST_UNSEEN_SCORE): the next round retires it and collects a fresh one."""
 
 
 def _label(path: Path) -> dict:
@@ -105,11 +118,19 @@ def main(argv: list[str] | None = None) -> int:
         if not mine:
             continue
         report[part] = summary = summarize(mine)
+        summary["misses_studied"] = MISSES_STUDIED[part]
+        if part in FIRST_UNSEEN_SCORE:
+            summary["first_unseen_score"] = FIRST_UNSEEN_SCORE[part]
         fields = ", ".join(f"{f} {summary[f + '_accuracy']:.1%} of {summary[f + '_labels']}"
                            for f in FIELDS if summary[f + "_accuracy"] is not None)
-        print(f"{part:8s} {summary['texts']:3d} texts: category {summary['category_accuracy']:.1%}, "
+        print(f"{PART_TITLES[part]}: {summary['texts']} texts: category {summary['category_accuracy']:.1%}, "
               f"top-1 {summary['top1_accuracy']:.1%}; fields: {fields}; "
-              f"healthy called a fault above low: {summary['healthy_called_fault']} of {summary['healthy_texts']}")
+              f"healthy called a fault above low: {summary['healthy_called_fault']} of {summary['healthy_texts']}"
+              + ("" if not summary["misses_studied"] else "; misses studied, not a generalisation figure"))
+        if part in FIRST_UNSEEN_SCORE:
+            first = FIRST_UNSEEN_SCORE[part]
+            print(f"    first score, before any rule saw it: category {first['category_right']} of {first['texts']} "
+                  f"({first['category_accuracy']:.1%}), top-1 {first['top1_accuracy']:.1%} (commit {first['scored_at']})")
         if args.verbose:
             for r in mine:
                 wrong = [f for f, ok in r["fields"].items() if not ok]

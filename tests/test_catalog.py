@@ -111,6 +111,14 @@ POSITIVE = [
     ("autograd-collective", [("_engine_run_backward", "torch/autograd/graph.py", 769), ("backward", "torch/_tensor.py", 521)]),
     ("autograd-collective", [("c10d::Reducer::autograd_hook(unsigned long)", "libtorch_cpu.so")]),
     ("autograd-collective", [("_post_backward_hook", "torch/distributed/fsdp/_runtime_utils.py", 700)]),
+    ("dataloader-worker", [("get", "multiprocessing/queues.py", 113),
+                           ("_worker_loop", "torch/utils/data/_utils/worker.py", 309),
+                           ("_bootstrap", "multiprocessing/process.py", 314)]),
+    ("dataloader-worker", [("poll", "libc.so.6"), ("_poll", "multiprocessing/connection.py", 424),
+                           ("get", "multiprocessing/queues.py", 113),
+                           ("worker_main", "torchdata/nodes/worker.py", 40)]),
+    ("dataloader-worker", [("__getitem__", "my_dataset.py", 88),
+                           ("_worker_loop", "torchdata/stateful_dataloader/worker.py", 240)]),
     ("compute-spin", [("while_loop_forever", "train.py", 12), ("main", "train.py", 30)]),
 ]
 
@@ -285,3 +293,29 @@ def test_an_unnamed_driver_frame_is_evidence_only_when_nothing_is_named():
     match = match_thread(thread(("??", "/lib64/libcuda.so.1"), ("??", "/lib64/libcuda.so.1")))
     assert match.pattern.id == "cuda-device-wait" and match.frame.file == "/lib64/libcuda.so.1"
 
+
+
+# --- DataLoader worker processes -----------------------------------------------------------
+
+def test_a_worker_process_waiting_on_its_index_queue_is_the_data_pipeline():
+    # py-spy --native of a fork-started worker: the parent's frames stay below the fork.
+    idle = thread(("poll", "libc.so.6"), ("select", "selectors.py", 415),
+                  ("wait", "multiprocessing/connection.py", 1136), ("get", "multiprocessing/queues.py", 113),
+                  ("_worker_loop", "torch/utils/data/_utils/worker.py", 309),
+                  ("_launch", "multiprocessing/popen_fork.py", 71), ("__iter__", "torch/utils/data/dataloader.py", 491),
+                  ("evaluate", "train.py", 77), active=False)
+    assert classify(process(idle)) == "dataloader"
+    assert match_thread(idle).frame.function == "_worker_loop"
+
+
+def test_a_training_thread_anywhere_else_beats_a_worker_loop():
+    worker = thread(("get", "multiprocessing/queues.py", 113), ("_worker_loop", "torch/utils/data/_utils/worker.py", 309),
+                    name="Thread-2", active=False)
+    main = thread(("all_reduce", C10D, 2501), STEP)
+    assert match_stack(process(worker, main)).pattern.id == "collective-wait"
+
+
+def test_a_queue_wait_outside_data_workers_is_not_the_data_pipeline():
+    assert pattern_of(("get", "multiprocessing/queues.py", 113), ("run", "my_producer.py", 20), active=False) is None
+    # "_worker_loop" of something that is no data loader (a thread pool of one's own) neither.
+    assert pattern_of(("_worker_loop", "serving/pool.py", 9), active=False) is None

@@ -367,3 +367,46 @@ def test_golden_nvlink_burst_follows_the_nvlink_xids_it_names():
 def test_summary_root_cause_xid_is_the_root_events_when_it_is_in_the_log():
     assert summarize(parse_kernel_log(BURST)).root_cause_xid == 13
     assert summarize([]).root_cause_xid is None
+
+
+# --- lines that state their own fatality ---------------------------------------------------
+
+@pytest.mark.parametrize("line, severity, action", [
+    # One NVLink Xid number covers fatal and non-fatal forms; the word on the line decides.
+    ("NVRM: Xid (PCI:0000:c1:00): 146, TLW_TX Nonfatal Link 7 (0x00000002 0x0)", "low", "restart_job"),
+    ("NVRM: Xid (PCI:0000:c1:00): 144, SAW_MVB Non-fatal XC0 i1 Link 3 (0x1 0x0)", "low", "restart_job"),
+    ("NVRM: Xid (PCI:0000:c1:00): 150, MSE_WATCHDOG not fatal, link retrained", "low", "restart_job"),
+    ("NVRM: Xid (PCI:0000:c1:00): 147, TREX_RX Fatal XC1 i0 Link 9 (0x4 0x0)", "high", "reset_gpu"),
+    ("NVRM: Xid (PCI:0000:c1:00): 148, PWR_CTRL_UNCORRECTABLE Link 2", "high", "reset_gpu"),
+    ("NVRM: Xid (PCI:0000:c1:00): 148, NVLINK_FATAL_ERROR Link 2", "high", "reset_gpu"),
+    # no wording: the table's default stands
+    ("NVRM: Xid (PCI:0000:c1:00): 147, TREX_RX XC1 i0 Link 9 (0x4 0x0)", "medium", "reset_gpu"),
+    # a fatal word never lowers what the table already calls worse
+    ("NVRM: Xid (PCI:0000:c1:00): 79, pid=7, name=python, GPU has fallen off the bus, fatal", "critical",
+     "reboot_node"),
+])
+def test_a_line_that_states_its_fatality_beats_the_table(line, severity, action):
+    (finding,) = xid_findings(line)
+    assert (finding["severity"], finding["action"]) == (severity, action)
+
+
+def test_a_nonfatal_line_that_asks_for_a_reset_still_gets_one():
+    # The driver's recovery request is the last word: the event itself was non-fatal,
+    # but the GPU is left needing a reset.
+    (finding,) = xid_findings("NVRM: Xid (PCI:0000:c1:00): 145, RLW_RX Nonfatal Link 1 GPU Reset Required")
+    assert (finding["severity"], finding["action"]) == ("high", "reset_gpu")
+
+
+def test_sxid_and_xid_read_fatality_alike():
+    nonfatal, fatal = xid_findings(
+        "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error\n"
+        "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 30 LTSSM Fault Up\n")
+    assert (nonfatal["severity"], fatal["severity"]) == ("low", "high")
+
+
+def test_nvml_xid_events_as_device_plugins_log_them():
+    (finding,) = xid_findings(
+        "2024/05/06 07:08:09 XidCriticalError: Xid=94 on Device=GPU-0f1e2d3c-0000-1111-2222-333344445555, "
+        "the device will go unhealthy.\n"
+        "2024/05/06 07:08:09 'nvidia.com/gpu' device marked unhealthy: GPU-0f1e2d3c-0000-1111-2222-333344445555\n")
+    assert (finding["xid"], finding["category"], finding["pci"]) == (94, "ecc", None)

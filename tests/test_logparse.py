@@ -668,3 +668,53 @@ def test_child_failure_caused_by_a_mismatch_comes_second_and_names_it() -> None:
     cause = {f["rank"]: f.get("cause") for f in findings if f["category"] == "child_failed"}
     assert cause == {9: "collective_mismatch", 3: None}
 
+
+
+# -- messages other frameworks print for the same faults ------------------------------------
+
+
+@pytest.mark.parametrize("line, code", [
+    ("tensorflow.python.framework.errors_impl.UnknownError: ncclCommInitRank failed: unhandled system error",
+     "ncclSystemError"),
+    ("horovod.common.exceptions.HorovodInternalError: ncclAllReduce failed: unhandled cuda error", "ncclUnhandledCudaError"),
+    ("INTERNAL: ncclGroupEnd failed: ncclGroupEnd failed: remote process exited or there was a network error",
+     "ncclRemoteError"),
+])
+def test_a_named_nccl_call_that_failed_is_a_nccl_error(line: str, code: str) -> None:
+    f = one(line)
+    assert (f["category"], f["nccl_code"]) == ("nccl_error", code)
+
+
+def test_a_kernel_assert_is_a_device_side_assert() -> None:
+    text = "\n".join(
+        f"/src/aten/native/cuda/ScatterGather.cu:365: operator(): block: [4,0,0], thread: [{t},0,0] "
+        "Assertion `idx_dim >= 0 && idx_dim < index_size && \"index out of bounds\"` failed." for t in range(3))
+    f = one(text)
+    assert (f["category"], f["cuda_message"]) == ("cuda_error", "device-side assert triggered")
+    assert f["assertion"].startswith("idx_dim >= 0")
+
+
+def test_a_host_assert_is_not_a_device_assert() -> None:
+    assert categories("python: main.c:12: main: Assertion `x > 0' failed.\nAborted (core dumped)") == []
+
+
+def test_rocm_memory_access_fault_is_an_illegal_memory_access() -> None:
+    f = one("Memory access fault by GPU node-3 (Agent handle: 0x5612a0) on address 0x7f00dead0000. "
+            "Reason: Write access to a read-only page.")
+    assert f["category"] == "illegal_memory_access"
+
+
+@pytest.mark.parametrize("line, signal, exit_code", [
+    ("torch.multiprocessing.spawn.ProcessExitedException: process 3 terminated with signal SIGKILL", "SIGKILL", None),
+    ("Exception: process 0 terminated with exit code 1", None, 1),
+])
+def test_a_spawned_process_that_died_is_a_failed_child(line: str, signal: str | None, exit_code: int | None) -> None:
+    f = one(line)
+    assert (f["category"], f["signal"], f["exit_code"]) == ("child_failed", signal, exit_code)
+
+
+def test_horovod_stall_inspector_is_a_mismatch() -> None:
+    line = ("[1,2]<stderr>:[2024-02-01 10:00:00.000000: W horovod/common/stall_inspector.cc:105] One or more tensors "
+            "were submitted to be reduced, gathered or broadcasted by subset of ranks and are waiting for remainder "
+            "of ranks for more than 60 seconds.")
+    assert one(line)["category"] == "collective_mismatch"

@@ -565,7 +565,7 @@ def test_stack_findings_single_unnamed_process_and_no_match():
 # --- golden corpus: real stack texts from public issue threads -------------------------------
 
 GOLDEN = sorted(FIXTURES.glob("stack-*.txt"))
-# The corpus's held-out part is scored only by benchmarks/explain_accuracy.py.
+# The corpus's held-out and retired parts are scored only by benchmarks/explain_accuracy.py.
 GOLDEN_DEV = [p for p in GOLDEN
               if json.loads((p.parent / (p.stem + ".expected.json")).read_text())["meta"]["split"] == "dev"]
 

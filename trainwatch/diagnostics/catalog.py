@@ -24,7 +24,9 @@ from trainwatch.diagnostics.frame_rules import (  # noqa: F401 - re-exported for
     CHECKPOINT_RULES,
     COLLECTIVE_RULES,
     DATALOADER_RULES,
+    DATALOADER_WORKER_RULES,
     DIST_FILE,
+    QUEUE_WAIT_RULES,
     USER_CODE,
     FrameRule,
     _rx,
@@ -314,6 +316,22 @@ PATTERNS: tuple[Pattern, ...] = (
         meaning="The rank is in backward; its autograd threads run the gradient-reduction hooks "
                 "(DDP, FSDP, ZeRO) and wait there for peers.",
         runbook="collective-wait",
+    ),
+    Pattern(
+        id="dataloader-worker",
+        category="dataloader",
+        title="A DataLoader worker process (waiting on its index queue, or making a batch)",
+        # Last but one: a worker's stack is the weakest sign in a process, so any other
+        # pattern in any thread wins; but a worker busy in the user's dataset code is
+        # still the data pipeline, not a spin in the training loop.
+        signatures=(
+            *_any(DATALOADER_WORKER_RULES[0]),
+            *_both(DATALOADER_WORKER_RULES[1:], QUEUE_WAIT_RULES),
+        ),
+        meaning="The process is one of the DataLoader's worker processes. Idle on its index "
+                "queue, it waits for the training process to ask for batches, so that process is "
+                "the one to look at; busy, it is loading or decoding a sample.",
+        runbook="dataloader-stall",
     ),
     Pattern(
         id="compute-spin",

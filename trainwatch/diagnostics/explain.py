@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from trainwatch.diagnostics.boxed_text import unbox
 from trainwatch.diagnostics.findings import FINDING_KEYS
 from trainwatch.diagnostics.kernel_log import xid_findings
 from trainwatch.diagnostics.logparse import ParsedLog, parse_log, rank_from_name
@@ -87,7 +88,8 @@ def explain_inputs(inputs: list[tuple[str, bytes]]) -> dict:
         if text is None:
             errors.append(problem)
             continue
-        text = _SOURCE_LINE.sub("", text)
+        # Frames drawn around a traceback or dump (rich, pasted panels) hide it from every reader.
+        text = unbox(_SOURCE_LINE.sub("", text))
         file_rank = rank_from_name(name)
         try:
             parsed = parse_log(text, source=name)

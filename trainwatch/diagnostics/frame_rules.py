@@ -74,6 +74,17 @@ DATALOADER_RULES = (
               file=r"(?:^|/)torch/utils/data/dataloader\.py$"),
     FrameRule(function=r"(?:^|[.])fetch$", file=r"(?:^|/)torch/utils/data/_utils/fetch\.py$"),
 )
+# A DataLoader worker process (torch's and torchdata's): its main function, and a wait on
+# the multiprocessing queue that carries it indices (`index_queue.get`) inside worker code.
+_WORKER_FILE = r"(?:^|/)(?:torch/utils/data/_utils/worker\.py|torchdata/(?:\w+/)*worker\.py)$"
+DATALOADER_WORKER_RULES = (
+    FrameRule(function=r"(?:^|[.])_worker_loop$", file=r"(?:^|/)(?:torch/utils/data/|torchdata/)|(?:^|/)worker\.py$"),
+    FrameRule(file=_WORKER_FILE),
+)
+QUEUE_WAIT_RULES = (
+    FrameRule(function=r"(?:^|[.])(?:get|_poll|poll|wait|recv\w*|_recv\w*)$",
+              file=r"(?:^|/)multiprocessing/(?:queues|connection|synchronize)\.py$"),
+)
 _LIBRARIES = (
     "torch", "deepspeed", "megatron", "transformers", "accelerate", "triton", "numpy", "apex",
     "lightning", "pytorch_lightning", "nemo", "vllm", "sglang", "zmq", "tqdm", "ray", "threading",

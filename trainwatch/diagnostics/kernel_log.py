@@ -21,9 +21,13 @@ from trainwatch.diagnostics.xid import (
     ACTIONS,
     ECC_CODES,
     ECC_RUNBOOK,
+    STATED_FATAL_SEVERITY,
+    STATED_NONFATAL_ACTION,
+    STATED_NONFATAL_SEVERITY,
     XID_RUNBOOK,
     lookup,
     severity_rank,
+    stated_fatality,
     sxid_info,
 )
 
@@ -105,6 +109,9 @@ _PREFIXES: tuple[re.Pattern[str], ...] = (
 )
 
 _XID_RE = re.compile(r"\bXid\s*\((?P<where>[^)]*)\):\s*(?P<code>\d{1,9})(?!\d)(?P<rest>.*)")
+# NVML's event as GPU health tools log it (the k8s device plugin, DCGM wrappers):
+# "XidCriticalError: Xid=48 on Device=GPU-7540a9b3-..., the device will go unhealthy."
+_NVML_XID_RE = re.compile(r"\bXid\s*=\s*(?P<code>\d{1,9})(?!\d)")
 # "SXid" has no word boundary before its "X", so _XID_RE never matches it.
 _SXID_RE = re.compile(r"\bSXid\s*\((?P<where>[^)]*)\):\s*(?P<code>\d{1,9})(?!\d)(?P<rest>.*)")
 _PCI_RE = re.compile(
@@ -218,7 +225,7 @@ def _recovery_action(text: str) -> str | None:
 
 
 def _has_event(text: str) -> bool:
-    return bool(_XID_RE.search(text) or _SXID_RE.search(text))
+    return bool(_XID_RE.search(text) or _SXID_RE.search(text) or _NVML_XID_RE.search(text))
 
 
 def _records(text: str) -> Iterator[tuple[int, str]]:
@@ -262,6 +269,14 @@ def _event(code: int, *, pci: str | None, pid: int | None, process: str | None,
     if cause is not None and severity_rank(cause.severity) >= severity_rank(severity):
         # A follow-on is as bad as the fault it follows, and needs what that fault needs.
         severity, action = cause.severity, cause.action
+    stated = None if is_sxid else stated_fatality(record)  # sxid_info already read the wording
+    if stated == "nonfatal":
+        # One number covers fatal and non-fatal forms (NVLink Xids 144-150); the line's own
+        # word beats the table's default, which has to assume the worse form.
+        severity, action = STATED_NONFATAL_SEVERITY, STATED_NONFATAL_ACTION
+    elif stated == "fatal" and severity_rank(severity) < severity_rank(STATED_FATAL_SEVERITY):
+        severity = STATED_FATAL_SEVERITY
+        action = action if ACTIONS.index(action) >= ACTIONS.index("reset_gpu") else "reset_gpu"
     recovery = _recovery_action(record)
     if recovery is not None:
         # The driver's own recovery request beats the table's generic advice.
@@ -297,6 +312,10 @@ def _parse_record(line_no: int, record: str) -> tuple[XidEvent, bool] | None:
         return _event(code, pci=normalize_pci(xid.group("where")),
                       pid=pid, process=_field(_NAME_RE, rest), record=record,
                       line_no=line_no, timestamp=timestamp, caused_by=caused_by), False
+    nvml = _NVML_XID_RE.search(body)
+    if nvml is not None:
+        return _event(int(nvml.group("code")), pci=None, pid=None, process=None, record=record,
+                      line_no=line_no, timestamp=timestamp), False
     if _FALLEN_RE.search(body):
         return _event(GPU_LOST_XID, pci=normalize_pci(body), pid=None, process=None,
                       record=record, line_no=line_no, timestamp=timestamp), True

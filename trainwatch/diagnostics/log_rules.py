@@ -180,6 +180,11 @@ def _nccl_code(m: re.Match[str]) -> dict:
     return {"nccl_code": m.group("code")}
 
 
+def _device_assert(m: re.Match[str]) -> dict:
+    """A CUDA kernel's assert: what torch reports as "device-side assert triggered"."""
+    return {"cuda_message": "device-side assert triggered", "assertion": m.group("cond").strip()}
+
+
 def _nothing(m: re.Match[str]) -> dict:
     """A message whose only fact is its category."""
     return {}
@@ -248,6 +253,13 @@ def _elastic_failed(m: re.Match[str]) -> dict:
         "local_rank": int(m.group("local")),
         "pid": int(m.group("pid")),
     }
+
+
+def _spawn_exited(m: re.Match[str]) -> dict:
+    """torch.multiprocessing.spawn's "process 1 terminated with signal SIGSEGV" / "... with exit code 1"."""
+    exit_code = _int(m.group("exit"))
+    return {"exit_code": exit_code, "signal": m.group("sig") or (signal_name(-exit_code) if exit_code and exit_code < 0
+                                                                   else None), "local_rank": int(m.group("local"))}
 
 
 def _dataloader(m: re.Match[str]) -> dict:
@@ -346,6 +358,9 @@ RULES: tuple[LineRule, ...] = (
     LineRule("nccl-net-size-mismatch", "mismatch", "collective_mismatch", re.compile(
         r"collective\s*mismatch\s*error,\s*local\s*size\s*(?P<local>\d{1,18})\s*remote\s*size\s*(?P<remote>\d{1,18})"),
         nccl_size_mismatch),
+    # Horovod's stall inspector: some ranks submitted a tensor the others never did.
+    LineRule("horovod-stall", "subset", "collective_mismatch", re.compile(
+        _words("submitted to be reduced, gathered or broadcasted by subset of ranks")), _nothing),
     # -- NCCL errors ---------------------------------------------------------------
     LineRule("nccl-async-error", "async", "nccl_error", re.compile(
         r"Collective\s*" + _WORK + r"\s*" + _words("raised the following async exception:")
@@ -353,6 +368,10 @@ RULES: tuple[LineRule, ...] = (
         _nccl_async, family="nccl-text"),
     LineRule("nccl-error-in", "nccl", "nccl_error", re.compile(
         r"NCCL\s*error\s*(?:in\s*:\s*[^,\s]+\s*,|:)\s*" + _NCCL_DESC), _nccl_line, family="nccl-text"),
+    # Other frameworks name the NCCL call that failed: "ncclCommInitRank failed: unhandled system error".
+    LineRule("nccl-call-failed", "nccl", "nccl_error", re.compile(
+        r"\bnccl[A-Z]\w{2,40}\s*failed\s*:\s*(?:nccl[A-Z]\w{2,40}\s*failed\s*:\s*)?" + _NCCL_DESC),
+        _nccl_line, family="nccl-text"),
     # NCCL_DEBUG=WARN lines that say the peer of a connection is gone: no "NCCL error"
     # line may follow (the process that printed them is killed first).
     LineRule("nccl-warn-peer-lost", "warn", "nccl_error", re.compile(
@@ -373,6 +392,9 @@ RULES: tuple[LineRule, ...] = (
     LineRule("cuda-illegal-address", "illegal", "illegal_memory_access", re.compile(
         _words("illegal memory access was encountered") + r"|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS"),
         _nothing, family="cuda"),
+    # ROCm's words for the same fault: "Memory access fault by GPU node-1 (...) on address 0x..."
+    LineRule("rocm-memory-fault", "fault", "illegal_memory_access", re.compile(
+        r"Memory\s*access\s*fault\s*by\s*GPU"), _nothing, family="cuda"),
     LineRule("cuda-error-oom", "memory", "oom", re.compile(r"CUDA\s*error\s*:\s*out\s*of\s*memory"),
              _nothing, family="cuda"),
     # Before torch 1.5: "cuda runtime error (2) : out of memory at ...THCGeneral.cpp:50",
@@ -393,6 +415,10 @@ RULES: tuple[LineRule, ...] = (
         r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
         r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),
         _cuda_message, family="cuda"),
+    # A kernel's assert, printed per thread before "CUDA error: device-side assert triggered":
+    # ".../Indexing.cu:1231: indexSelectSmallIndex: block: [31,0,0], thread: [116,0,0] Assertion `x` failed."
+    LineRule("cuda-device-assert", "assertion", "cuda_error", re.compile(
+        r"\.cu[h]?:\d{1,9}:.{0,200}?Assertion\s*`(?P<cond>[^`]{1,200})`\s*failed"), _device_assert, family="cuda"),
     LineRule("cuda-async-hint", "asynchronously", "cuda_error", re.compile(
         _words("CUDA kernel errors might be asynchronously reported")), _nothing, role="hint"),
     # -- memory --------------------------------------------------------------------
@@ -402,6 +428,9 @@ RULES: tuple[LineRule, ...] = (
     LineRule("elastic-failed", "exitcode", "child_failed", re.compile(
         r"failed\s*\(exitcode:\s*(?P<exit>-?\d+)\)\s*local_rank:\s*(?P<local>\d+)\s*\(pid:\s*(?P<pid>\d+)\)"),
         _elastic_failed),
+    LineRule("spawn-exited", "terminated", "child_failed", re.compile(
+        r"\bprocess\s*(?P<local>\d{1,6})\s*terminated\s*with\s*(?:signal\s*(?P<sig>SIG[A-Z]{2,6})"
+        r"|exit\s*code\s*(?P<exit>-?\d{1,4}))"), _spawn_exited),
     LineRule("dataloader-killed", "dataloader", "dataloader_worker_killed", re.compile(
         r"DataLoader\s*worker\s*(?:\(pid(?:\(s\))?\s*(?P<pids>\d[\d,\s]*)\)\s*)?"
         r"(?:is\s*killed\s*by\s*signal\s*:\s*(?P<sig>[A-Za-z ]+)|exited\s*unexpectedly"
@@ -417,7 +446,7 @@ RULES: tuple[LineRule, ...] = (
 _ANCHOR_WORDS = (
     "watchdog", "heartbeat", "signal", "timeout", "timed out", "collective", "enqueued", "either an",
     "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
-    "nccl warn", "mismatch",
+    "nccl warn", "mismatch", "assertion", "terminated with", "subset of ranks",
 )
 
 

@@ -44,8 +44,10 @@ _MAX_EVIDENCE_LINES = 3
 _NUM = r"(?P<value>[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?))"
 # "grad norm: nan", "grad_norm: nan", "'grad_norm': nan", "grad_norm=nan", "grad-norm nan"
 _GRAD_NORM = re.compile(r"(?i)\bgrad[\s_-]?norm['\"]?\s*[:=]?\s*" + _NUM + r"(?![\w.])")
-# "loss: nan", "'loss': nan", "lm loss: nan", "loss=nan", "train_loss: nan" (not "loss scale", "loss_ce")
-_LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train[_ ]|total[_ ])?loss['\"]?\s*[:=]\s*" + _NUM + r"(?![\w.])")
+# "loss: nan", "'loss': nan", "lm loss: nan", "loss=nan", "train_loss: nan", a loss term ("loss_net: nan"),
+# a table cell ("| loss | nan |") or a bare pair ("Loss nan   LearningRate"); never the loss scale.
+_LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train[_ ]|total[_ ])?loss(?!_?scal)(?:_[a-z0-9]{1,20})?['\"]?"
+                   r"(?:\s*[:=|]\s*|\s+)" + _NUM + r"(?![\w.])")
 _ABORT_NAN = re.compile(
     r"(?i)(?:Rank\s*(?P<rank>\d{1,9})\s*:\s*)?found\s*(?:NaN|Inf)\s*in\s*local\s*grad\s*norm"
     r"|Bad\s*grad_?norm\s*detected\s*\(grad_?norm\s*=\s*nan\)"

@@ -28,6 +28,7 @@ fact worth reporting, never a reason to crash.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -229,14 +230,41 @@ def lookup(code: int) -> XidInfo:
                    "medium", "restart_job")
 
 
+# How a driver line states its own fatality: "Nonfatal", "Non-fatal", "non fatal", "not fatal"
+# (the unit recovered), or "Fatal", "Uncorrectable", "Uncorrected" (it did not). The negative
+# forms are searched first: "Nonfatal" contains "fatal" and "Uncorrectable" "correctable".
+# Letters only bound the words: driver mnemonics glue them with underscores ("NVLINK_FATAL").
+_NONFATAL_WORDING = re.compile(r"(?i)(?<![a-z])(?:non[\s_-]?fatal|not\s+fatal)(?![a-z])")
+_FATAL_WORDING = re.compile(r"(?i)(?<![a-z])(?:fatal|uncorrect(?:able|ed))(?![a-z])")
+STATED_NONFATAL_SEVERITY = "low"
+"""What an event whose line calls itself non-fatal is: worth recording, the job keeps running."""
+STATED_NONFATAL_ACTION = "restart_job"
+"""What to do about it: nothing beyond a restart should the job have failed anyway."""
+STATED_FATAL_SEVERITY = "high"
+"""What an event whose line calls itself fatal or uncorrectable is at least: a reset is due."""
+
+
+def stated_fatality(text: str) -> str | None:
+    """"nonfatal" / "fatal" when the driver's line states which it is, else None.
+
+    NVLink Xids (144-150) and NVSwitch SXids share one number for fatal and
+    non-fatal forms of an error; only the line's own wording tells them apart.
+    """
+    if _NONFATAL_WORDING.search(text):
+        return "nonfatal"
+    if _FATAL_WORDING.search(text):
+        return "fatal"
+    return None
+
+
 def sxid_info(code: int, text: str) -> XidInfo:
     """Describe an NVSwitch SXid; severity follows the fatal/non-fatal wording of its line."""
-    lowered = text.lower()
-    if "nonfatal" in lowered or "non-fatal" in lowered:
+    stated = stated_fatality(text)
+    if stated == "nonfatal":
         return XidInfo(code, "NVSwitch non-fatal SXid",
                        "A non-fatal NVSwitch error; traffic continues.",
-                       "low", "restart_job")
-    if "fatal" in lowered:
+                       STATED_NONFATAL_SEVERITY, STATED_NONFATAL_ACTION)
+    if stated == "fatal":
         # Fatal SXids stall NVLink traffic through the switch; NVIDIA's fabric
         # guidance is to reset the GPUs and switches together.
         return XidInfo(code, "NVSwitch fatal SXid",
