@@ -29,9 +29,18 @@ def env_for(home: Path) -> dict:
     return env
 
 
+SESSIONS_ENV = "TRAINWATCH_BENCH_SESSIONS"
+"""A file where launch() lists each launcher's session id: a caller that bounds a
+benchmark's time (gpu_check.py) ends those sessions when the bound runs out."""
+
+
 def launch(home: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "trainwatch"), "launch", *args], env=env_for(home), cwd=str(ROOT),
+    proc = subprocess.Popen([str(BIN / "trainwatch"), "launch", *args], env=env_for(home), cwd=str(ROOT),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    if os.environ.get(SESSIONS_ENV):
+        with open(os.environ[SESSIONS_ENV], "a") as f:
+            f.write(f"{proc.pid}\n")
+    return proc
 
 
 def stop(proc: subprocess.Popen, timeout: float = 60) -> str:

@@ -68,21 +68,32 @@ FAULT_WORKLOAD = {"straggler_zero_code": [str(ROOT / "tests" / "scripts" / "plai
 """Faults run in another workload than the integrated trainer (TRAINER)."""
 
 
-def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float) -> dict:
+def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float, *, culprit: int = CULPRIT,
+              workload: list[str] | None = None, on_detected=None) -> dict:
+    """One fault in a real job: detected?, the right culprit?, latency. `workload`
+    replaces the job's command line; `on_detected(home, job)` runs while the job
+    still runs, once the incident is in (its answer is the result's "extra")."""
     home = new_home(name)
     klog = home / "kern.log"
     klog.write_text("")
     proc = launch(home, "--nproc-per-node", str(ranks), "--job", name, "--no-restart", "--inject", spec,
-                  "--kernel-log", str(klog), *FAULT_FLAGS.get(name, []), *FAULT_WORKLOAD.get(name, TRAINER))
+                  "--kernel-log", str(klog), *FAULT_FLAGS.get(name, []),
+                  *(workload or FAULT_WORKLOAD.get(name, TRAINER)))
+    extra = None
     try:
         found = wait_for(lambda: [e for e in events(home, name) if e["kind"] == kind], timeout)
         fired = faults_fired(home, name)
+        if found and on_detected is not None:
+            extra = on_detected(home, name)
     finally:
         stop(proc)
     result = {"detected": bool(found), "culprit_ok": False, "latency_s": None}
+    if extra is not None:
+        result["extra"] = extra
     if found:
         incident = found[0]
-        result["culprit_ok"] = incident["culprit_ranks"] == [CULPRIT]
+        result["culprit_ranks"] = incident["culprit_ranks"]
+        result["culprit_ok"] = incident["culprit_ranks"] == [culprit]
         if fired:
             result["latency_s"] = round(incident["detected_mono"] - fired[0]["mono"], 3)
         result["summary"] = incident["summary"][:200]
