@@ -30,8 +30,9 @@ def env_for(home: Path) -> dict:
 
 
 SESSIONS_ENV = "TRAINWATCH_BENCH_SESSIONS"
-"""A file where launch() lists each launcher's session id: a caller that bounds a
-benchmark's time (gpu_check.py) ends those sessions when the bound runs out."""
+"""A file where launch() lists each launcher's session id and TRAINWATCH_HOME (one
+"PID HOME" line each): a caller that bounds a benchmark's time (gpu_check.py)
+ends those sessions when the bound runs out, and reaps what their jobs left."""
 
 
 def launch(home: Path, *args: str) -> subprocess.Popen:
@@ -39,7 +40,7 @@ def launch(home: Path, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     if os.environ.get(SESSIONS_ENV):
         with open(os.environ[SESSIONS_ENV], "a") as f:
-            f.write(f"{proc.pid}\n")
+            f.write(f"{proc.pid} {home}\n")
     return proc
 
 

@@ -816,16 +816,38 @@ def plan(ctx: Context, only: list[str] | None) -> list[tuple[Check, str | None]]
 
 
 def kill_sessions(path: Path) -> None:
-    """End what a check launched in sessions of its own (trainwatch launch)."""
+    """End what a check launched in sessions of its own (trainwatch launch), then
+    reap those jobs the way `trainwatch jobs` does: a launcher killed outright
+    leaves its shared-memory segment and scrape target behind."""
     try:
-        pids = [int(x) for x in path.read_text().split()]
-    except (OSError, ValueError):
+        launched = [line.split(" ", 1) for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
         return
-    for pid in pids:
+    for pid, _home in launched:
         try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            os.killpg(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, ValueError):
             pass
+    from common import session_pids, wait_for
+    from trainwatch import liveness, state
+
+    for pid, home in launched:
+        wait_for(lambda: not session_pids(int(pid)), 10, 0.2)  # the lock dies with the launcher
+        saved = os.environ.get("TRAINWATCH_HOME")
+        os.environ["TRAINWATCH_HOME"] = home
+        try:
+            for record_path in Path(home).glob("jobs/*/job.json"):
+                record = state.read_json(record_path)
+                if record is not None:
+                    try:
+                        liveness.status_of(record)
+                    except Exception:  # noqa: BLE001 - reaping is best effort
+                        pass
+        finally:
+            if saved is None:
+                os.environ.pop("TRAINWATCH_HOME", None)
+            else:
+                os.environ["TRAINWATCH_HOME"] = saved
 
 
 def run_check(c: Check, ctx: Context, ctx_path: Path, out_dir: Path, budget_s: float,

@@ -39,3 +39,19 @@ def no_leftover_segments(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests need an NVIDIA GPU: without one (NVML sees none) they are
+    skipped with NVML's reason, so the suite passes on CPU machines."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    from trainwatch.watchdog.preflight import read_gpus
+
+    gpus, reason = read_gpus()
+    if gpus:
+        return
+    skip = pytest.mark.skip(reason=reason or "no GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
