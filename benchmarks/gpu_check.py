@@ -65,6 +65,9 @@ STATUSES = ("pass", "fail", "skip", "timeout")
 TOTAL_S = 470.0
 """All checks together, seconds: under 8 minutes on one H100 with room for start-up."""
 KILL_GRACE_S = 5.0
+"""Seconds between SIGTERM and SIGKILL for a check over its budget."""
+REAP_S = 10.0
+"""Seconds to wait for a killed check's launched jobs to go."""
 MFU_TARGET = 0.45
 """The bf16 MFU the trainer's largest size is meant to reach on an H100."""
 MFU_SIZE = "gpt3-1.3b"
@@ -287,13 +290,16 @@ def check_nvml(ctx: Context) -> dict:
         fig = {"gpus": gpus, "xid_registered_gpus": mon.watcher.registered_gpus,
                "metric_series": sum(1 for line in text.splitlines() if line.startswith("trainwatch_gpu_")),
                "gpu_of_local_rank": mon.gpu_of_local_rank, "fake_nvml": nvml is not None}
-        missing = [f"GPU {g['gpu']}: {k}" for g in gpus
-                   for k in ("uuid", "memory_total_gib", "utilization_pct", "temperature_c", "power_w")
-                   if g[k] is None]
+        # Identity and memory always; of the sensors, a GPU may lack some (utilisation
+        # under MIG, power on some boards), never all of them.
+        missing = [f"GPU {g['gpu']}: {k}" for g in gpus for k in ("uuid", "memory_total_gib") if g[k] is None]
+        missing += [f"GPU {g['gpu']}: no sensor (utilisation, temperature, power)" for g in gpus
+                    if g["utilization_pct"] is None and g["temperature_c"] is None and g["power_w"] is None]
+        fig["unsupported"] = sorted({k for g in gpus for k, v in g.items() if v is None and k != "name"})
         if len(samples) != max(1, len(ctx.gpus)):
             missing.append(f"{len(samples)} samples for {len(ctx.gpus)} GPUs")
-        if "trainwatch_gpu_utilization_ratio" not in text:
-            missing.append("no trainwatch_gpu_utilization_ratio series")
+        if "trainwatch_gpu_memory_total_bytes" not in text:
+            missing.append("no trainwatch_gpu_memory_total_bytes series")
         if missing:
             raise Fail("unread: " + "; ".join(missing))
         return fig
@@ -392,6 +398,9 @@ def check_trainer_nccl(ctx: Context) -> dict:
     from trainwatch.trainer.config import MODEL_PRESETS
 
     preset = MODEL_PRESETS[MFU_SIZE]
+    # No checkpoint directory: throughput without the per-step CPU copy of the
+    # 1.2B model's state that emergency checkpoints stage (a figure of its own).
+    os.environ["TRAINWATCH_CKPT_DIR"] = ""
     home, job = new_home("gpu-dp"), "gpu-dp"
     proc = launch(home, "--nproc-per-node", str(len(ctx.gpus)), "--job", job,
                   *trainer_args(ctx, "--precision", "bf16", "--model-size", MFU_SIZE, "--max-steps", "30",
@@ -488,8 +497,12 @@ def check_nccl_ranks(ctx: Context) -> dict:
         raise Skip(f"--ranks {ctx.fault_ranks} given")
     tried = []
     for ranks in ([len(ctx.gpus)] if len(ctx.gpus) > 1 else [2, 1]):
-        p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                 str(HERE / "scripts" / "nccl_probe.py")], min(60.0, ctx.remaining()), env=child_env())
+        try:
+            p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                     str(HERE / "scripts" / "nccl_probe.py")], min(45.0, ctx.remaining()), env=child_env())
+        except Fail as e:  # NCCL may hang instead of refusing: that is a refusal too
+            tried.append({"ranks": ranks, "why": str(e)[:300]})
+            continue
         lines = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
         if p.returncode == 0 and len(lines) == ranks:
             return {"ranks": ranks, "shared_gpu": ranks > max(1, len(ctx.gpus)), "nccl": lines[0].get("nccl"),
@@ -722,7 +735,7 @@ def cuda_context_pids() -> list[int]:
 def check_warm_restart(ctx: Context) -> dict:
     """One crash and restart with the zygote, one without: time back to training."""
     launcher_present()
-    from common import events, new_home, read_jsonl  # noqa: F401
+    from common import events, new_home
     from recovery import run as run_job
 
     ranks, culprit = fault_ranks(ctx)
@@ -832,7 +845,7 @@ def kill_sessions(path: Path) -> None:
     from trainwatch import liveness, state
 
     for pid, home in launched:
-        wait_for(lambda: not session_pids(int(pid)), 10, 0.2)  # the lock dies with the launcher
+        wait_for(lambda: not session_pids(int(pid)), REAP_S, 0.2)  # the lock dies with the launcher
         saved = os.environ.get("TRAINWATCH_HOME")
         os.environ["TRAINWATCH_HOME"] = home
         try:
@@ -926,13 +939,42 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
+def finite(value):
+    """NaN and infinities as null: every line stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+KEY_FIGURES = {
+    "trainer_bf16": ("tokens_per_s", "mfu", "batch_size"),
+    "trainer_fp8": ("tokens_per_s", "mfu", "mfu_of_fp8_peak"),
+    "trainer_nccl": ("ranks", "tokens_per_s", "mfu"),
+    "deferred_sync": ("extra_syncs_per_20_steps", "step_ratio"),
+    "nccl_ranks": ("ranks", "shared_gpu"),
+    "nccl_hang_resume": ("latency_s", "culprit_ranks", "bitwise_equal", "recovery_s"),
+    "nccl_crash": ("latency_s", "culprit_ok"),
+    "nccl_mismatch": ("latency_s", "culprit_ok"),
+    "nccl_straggler": ("latency_s", "culprit_ok", "evidence_source"),
+    "warm_restart": ("recovery_s_warm", "recovery_s_cold"),
+    "overhead": ("record_ns", "step_overhead_ratio"),
+}
+"""The figures the summary repeats, per check (the lines have them all)."""
+
+
 def summarise(lines: list[dict], ctx: Context, wall_s: float) -> dict:
     counts = {s: sum(1 for r in lines if r["status"] == s) for s in STATUSES}
     by = {r["check"]: r for r in lines}
     bf16 = by.get("trainer_bf16", {})
+    figures = {name: {k: by[name].get(k) for k in keys} for name, keys in KEY_FIGURES.items()
+               if by.get(name, {}).get("status") in ("pass", "fail")}
     return {"device": ctx.device, "gpus": [g["name"] for g in ctx.gpus], "seconds": round(wall_s, 1), **counts,
             "failed": [r["check"] for r in lines if r["status"] in ("fail", "timeout")],
-            "mfu_bf16": bf16.get("mfu"), "mfu_target_met": bf16.get("mfu_target_met"),
+            "mfu_bf16": bf16.get("mfu"), "mfu_target_met": bf16.get("mfu_target_met"), "figures": figures,
             "no_gpu": ctx.no_gpu or None}
 
 
@@ -944,7 +986,8 @@ def run_all(checks: list[tuple[Check, str | None]], ctx: Context, out_dir: Path,
     end = time.monotonic() + total_s
     lines = []
     for c, reason in checks:
-        left = end - time.monotonic()
+        # What a check may use: the time left less what ending it may take.
+        left = end - time.monotonic() - KILL_GRACE_S - REAP_S
         if reason is None and left < 5:
             reason = f"no time left of the {total_s:.0f} s total"
         if reason is not None:
@@ -1003,13 +1046,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"gpu check: {ctx.device}, {len(ctx.gpus)} GPU(s) {[g['name'] for g in ctx.gpus]}; logs in {out_dir}")
 
     def emit(line: dict) -> None:
-        print(json.dumps(line, default=str), flush=True)
+        print(json.dumps(finite(line), default=str), flush=True)
 
     lines = run_all(checks, ctx, out_dir or Path(tempfile.gettempdir()), args.total_s, emit)
     summary = summarise(lines, ctx, time.monotonic() - t0)
     print(json.dumps({"summary": summary}), flush=True)
     if out_dir is not None:
-        (out_dir / "summary.jsonl").write_text("".join(json.dumps(x, default=str) + "\n"
+        (out_dir / "summary.jsonl").write_text("".join(json.dumps(finite(x), default=str) + "\n"
                                                        for x in [*lines, {"summary": summary}]))
     return 1 if summary["failed"] else 0
 

@@ -285,7 +285,10 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
          writer: bool = True) -> TrainResult:
     preset = MODEL_PRESETS[cfg.model_size]
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every run
-    model = GPT(preset, fp8=cfg.precision == "fp8").to(rt.device)
+    # Built on the GPU when there is one: initialising the largest size's 1.2B
+    # weights with the CPU's generator takes longer than a hundred training steps.
+    with torch.device(rt.device) if rt.device.type == "cuda" else contextlib.nullcontext():
+        model = GPT(preset, fp8=cfg.precision == "fp8").to(rt.device)
     opt = _optimizer(model, cfg, rt.device)
     scaler = _scaler(cfg, rt, tw)
     faults = tw.faults  # injected faults (--inject); no-ops unless armed in this rank
