@@ -35,8 +35,15 @@ SESSIONS_ENV = "TRAINWATCH_BENCH_SESSIONS"
 ends those sessions when the bound runs out, and reaps what their jobs left."""
 
 
+def trainwatch_command() -> list[str]:
+    """The `trainwatch` command beside this Python, or the module where the
+    project is importable without its console script."""
+    script = BIN / "trainwatch"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "trainwatch.cli"]
+
+
 def launch(home: Path, *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen([str(BIN / "trainwatch"), "launch", *args], env=env_for(home), cwd=str(ROOT),
+    proc = subprocess.Popen([*trainwatch_command(), "launch", *args], env=env_for(home), cwd=str(ROOT),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     if os.environ.get(SESSIONS_ENV):
         with open(os.environ[SESSIONS_ENV], "a") as f:

@@ -234,13 +234,6 @@ def need_cuda(ctx: Context) -> None:
         raise Skip(ctx.no_gpu or "needs a GPU")
 
 
-def launcher_present() -> None:
-    from common import BIN
-
-    if not (BIN / "trainwatch").exists():
-        raise Fail(f"no `trainwatch` command beside {sys.executable}: install the project there (pip install -e .)")
-
-
 def gpu_name(ctx: Context, index: int = 0) -> str:
     return ctx.gpus[index]["name"] if len(ctx.gpus) > index else "this GPU"
 
@@ -393,7 +386,6 @@ def check_trainer_nccl(ctx: Context) -> dict:
     need_cuda(ctx)
     if len(ctx.gpus) < 2:
         raise Skip("one GPU: data parallel over NCCL needs two (the nccl_* checks run NCCL on this one)")
-    launcher_present()
     from common import finish, launch, new_home, reap
     from trainwatch.trainer.config import MODEL_PRESETS
 
@@ -529,7 +521,6 @@ def fault_workload(ctx: Context) -> list[str]:
 
 
 def run_fault_check(ctx: Context, name: str, spec: str, kind: str, culprit: int, ranks: int, on_detected=None) -> dict:
-    launcher_present()
     from detection import run_fault
 
     r = run_fault(f"gpu-{name}", spec, kind, ranks, ctx.remaining(15), culprit=culprit,
@@ -549,7 +540,6 @@ def run_fault_check(ctx: Context, name: str, spec: str, kind: str, culprit: int,
 @check("nccl_flight_recorder", "nccl", 75, cpu=True)
 def check_nccl_flight_recorder(ctx: Context) -> dict:
     """The flight recorder's sequence numbers and arrival times reach every rank's slot."""
-    launcher_present()
     from common import job_json, launch, new_home, reap, stop, wait_for
     from trainwatch import slots
 
@@ -558,6 +548,8 @@ def check_nccl_flight_recorder(ctx: Context) -> dict:
     home, job = new_home("gpu-fr"), "gpu-fr"
     proc = launch(home, "--nproc-per-node", str(ranks), "--job", job, *fault_workload(ctx))
     try:
+        seen: list[dict] = []
+
         def published():
             path = job_json(home, job).get("slots")
             if not path or not os.path.exists(path):
@@ -568,6 +560,8 @@ def check_nccl_flight_recorder(ctx: Context) -> dict:
             finally:
                 seg.close()
             rows = table[table["pid"] != 0]
+            seen[:] = [{k: int(r[k]) for k in ("rank", "step", "fr_ok", "ngroups", "arrival_source", "narrivals")}
+                       for r in rows]
             if len(rows) == ranks and (rows["step"] >= 20).all() and (rows["narrivals"] > 0).all() \
                     and (rows["fr_ok"] == 1).all():
                 return list(rows)
@@ -576,7 +570,8 @@ def check_nccl_flight_recorder(ctx: Context) -> dict:
         rows = wait_for(published, ctx.remaining(15), 0.5)
         if rows is None:
             path = job_json(home, job).get("slots")
-            raise Fail(f"no rank published flight-recorder arrivals within the budget (segment {path})")
+            raise Fail(f"not every rank published flight-recorder sequence numbers and arrivals (step >= 20, "
+                       f"fr_ok 1, narrivals > 0) within the budget; last read of segment {path}: {seen}")
         source = {slots.ARRIVAL_ENQUEUED: "enqueued", slots.ARRIVAL_STARTED: "started"}
         per_rank = []
         for r in rows:
@@ -599,7 +594,6 @@ def check_nccl_flight_recorder(ctx: Context) -> dict:
 def check_nccl_hang_resume(ctx: Context) -> dict:
     """A rank hangs (the others wait in the NCCL collective): detected, culprit named,
     emergency checkpoint of the CUDA state, restart, resumed bit for bit."""
-    launcher_present()
     from common import events, faults_fired, new_home
     from recovery import final_weights, run as run_job
 
@@ -734,7 +728,6 @@ def cuda_context_pids() -> list[int]:
 @check("warm_restart", "warm_start", 150, cpu=True)
 def check_warm_restart(ctx: Context) -> dict:
     """One crash and restart with the zygote, one without: time back to training."""
-    launcher_present()
     from common import events, new_home
     from recovery import run as run_job
 
@@ -1030,6 +1023,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --only: unknown check {', '.join(unknown)}; the checks are {', '.join(names)}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
+    # Every process the checks start (launched ranks included) runs this checkout.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     ctx = probe(args.device)
     if args.device == "cuda" and ctx.device != "cuda":
         print(f"error: --device cuda: {ctx.no_gpu}", file=sys.stderr)

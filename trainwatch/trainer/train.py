@@ -298,7 +298,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
         del state  # the checkpoint's tensors are copied in; free the CPU copy
     ddp = model
     if rt.distributed:
-        ddp = DistributedDataParallel(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+        ddp = DistributedDataParallel(model, device_ids=[rt.device] if rt.device.type == "cuda" else None)
     corpus = load_corpus()
     autocast = _precision_context(cfg.precision, rt.device)
     if rt.distributed:
