@@ -333,6 +333,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
 
     first_loss = final_loss = math.nan
     window_s, window_n = 0.0, 0
+    wait_here = rt.distributed and rt.device.type == "cuda"
     for step in range(first_step, cfg.max_steps + 1):
         t0 = time.monotonic()
         lr = lr_at(step, cfg)
@@ -381,7 +382,11 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
             values.append(scaler._get_scale_async().float())
         if zeros is not None:
             values.append(zeros.float())
-        local_v, mean_v, norm_v, *more = torch.stack(values).tolist()
+        # On a GPU the collectives above only queue work; this read is where the
+        # host waits for the device to finish the step, all-reduces included: a
+        # rank whose peer hangs blocks here, and must read as waiting on peers.
+        with tw.phase("collective") if wait_here else contextlib.nullcontext():
+            local_v, mean_v, norm_v, *more = torch.stack(values).tolist()
         done_step = step
         tw.step(loss=local_v, grad_norm=norm_v, step=step, lr=float(lr_used),
                 loss_scale=more[0] if scaler is not None else None,
