@@ -541,7 +541,7 @@ def run_fault_check(ctx: Context, name: str, spec: str, kind: str, culprit: int,
 def check_nccl_flight_recorder(ctx: Context) -> dict:
     """The flight recorder's sequence numbers and arrival times reach every rank's slot."""
     from common import job_json, launch, new_home, reap, stop, wait_for
-    from trainwatch import slots
+    from trainwatch import slots, state
 
     ranks, _culprit = fault_ranks(ctx)
     os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"  # arrival = the collective's start on the device
@@ -581,13 +581,20 @@ def check_nccl_flight_recorder(ctx: Context) -> dict:
             per_rank.append({"rank": int(r["rank"]), "step": int(r["step"]), "groups": groups,
                              "arrival_source": source.get(int(r["arrival_source"]), int(r["arrival_source"])),
                              "arrivals": len(arrivals), "last_arrival_seq": arrivals[-1][0] if arrivals else None})
+        # The sidecar's own NVML samples of the job's GPUs (what `diagnose` reads).
+        gpus = wait_for(lambda: (state.JobDir(job, root=home).telemetry().get("gpus") or {}).get("samples"),
+                        10 if ctx.cuda else 0.1, 0.5)
+        sidecar_gpus = state.JobDir(job, root=home).telemetry().get("gpus")
     finally:
         stop(proc)
         reap(proc, home, job)
     bad = [p["rank"] for p in per_rank if not p["groups"] or p["groups"][0]["completed"] <= 0]
     if bad:
         raise Fail(f"ranks {bad} published no completed collective sequence number")
-    return {"ranks": ranks, "per_rank": per_rank}
+    fig = {"ranks": ranks, "per_rank": per_rank, "sidecar_gpus": sidecar_gpus}
+    if ctx.cuda and not (gpus and all(g.get("local_rank") is not None for g in gpus[:ranks])):
+        raise Fail(f"the sidecar's telemetry.json has no NVML sample of the job's GPUs: {sidecar_gpus}")
+    return fig
 
 
 @check("nccl_hang_resume", "nccl", 160, cpu=True)
