@@ -841,26 +841,38 @@ def kill_sessions(path: Path) -> None:
             os.killpg(int(pid), signal.SIGKILL)
         except (ProcessLookupError, PermissionError, ValueError):
             pass
-    from common import session_pids, wait_for
+    from common import wait_for
+
+    for _pid, home in launched:
+        # Retried until the killed launcher's lock is released, as it is once it is gone.
+        wait_for(lambda: reap_home(Path(home)), REAP_S, 0.3)
+
+
+def reap_home(home: Path) -> bool:
+    """Reap every run under `home` whose launcher is gone (what `trainwatch jobs`
+    does); True once none of their segments is left."""
     from trainwatch import liveness, state
 
-    for pid, home in launched:
-        wait_for(lambda: not session_pids(int(pid)), REAP_S, 0.2)  # the lock dies with the launcher
-        saved = os.environ.get("TRAINWATCH_HOME")
-        os.environ["TRAINWATCH_HOME"] = home
-        try:
-            for record_path in Path(home).glob("jobs/*/job.json"):
-                record = state.read_json(record_path)
-                if record is not None:
-                    try:
-                        liveness.status_of(record)
-                    except Exception:  # noqa: BLE001 - reaping is best effort
-                        pass
-        finally:
-            if saved is None:
-                os.environ.pop("TRAINWATCH_HOME", None)
-            else:
-                os.environ["TRAINWATCH_HOME"] = saved
+    saved = os.environ.get("TRAINWATCH_HOME")
+    os.environ["TRAINWATCH_HOME"] = str(home)
+    try:
+        left = False
+        for record_path in home.glob("jobs/*/job.json"):
+            record = state.read_json(record_path)
+            if record is None:
+                continue
+            try:
+                liveness.status_of(record)
+            except Exception:  # noqa: BLE001 - reaping is best effort
+                pass
+            seg = record.get("slots")
+            left = left or bool(isinstance(seg, str) and os.path.exists(seg))
+        return not left
+    finally:
+        if saved is None:
+            os.environ.pop("TRAINWATCH_HOME", None)
+        else:
+            os.environ["TRAINWATCH_HOME"] = saved
 
 
 def run_check(c: Check, ctx: Context, ctx_path: Path, out_dir: Path, budget_s: float,
@@ -979,8 +991,10 @@ def summarise(lines: list[dict], ctx: Context, wall_s: float) -> dict:
 
 
 def run_all(checks: list[tuple[Check, str | None]], ctx: Context, out_dir: Path, total_s: float,
-            emit: Callable[[dict], None]) -> list[dict]:
-    """Run the planned checks in order under one overall deadline; emit each line."""
+            emit: Callable[[dict], None], command_for: Callable[[Check], list[str] | None] = lambda c: None,
+            ) -> list[dict]:
+    """Run the planned checks in order under one overall deadline; emit each line.
+    command_for: a check's process command instead of this script's (tests)."""
     ctx_path = out_dir / "context.json"
     ctx.work = str(out_dir)
     end = time.monotonic() + total_s
@@ -994,7 +1008,7 @@ def run_all(checks: list[tuple[Check, str | None]], ctx: Context, out_dir: Path,
             line = {"check": c.name, "group": c.group, "status": "skip", "seconds": 0.0, "reason": reason}
         else:
             log(f"{c.name}: up to {min(c.budget_s, left):.0f} s ...")
-            line = run_check(c, ctx, ctx_path, out_dir, min(c.budget_s, left))
+            line = run_check(c, ctx, ctx_path, out_dir, min(c.budget_s, left), command_for(c))
             provides = line.pop("provides", None)
             if isinstance(provides, dict):
                 for k, v in provides.items():

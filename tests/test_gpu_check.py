@@ -62,29 +62,52 @@ def by_name(name: str) -> gpu_check.Check:
     return next(c for c in gpu_check.CHECKS if c.name == name)
 
 
-def test_a_check_over_its_budget_is_a_timeout_and_the_rest_go_on(tmp_path, monkeypatch):
-    """The rehearsal's hang-and-resume check launches a real job and waits for it to
-    end; with a 15 s budget it is killed mid-way (imports done, a job running): `timeout`, and the launched job
-    (a session of its own) is ended with it. The next check still runs."""
+def test_a_check_over_its_budget_is_a_timeout_and_the_rest_go_on(tmp_path):
+    """A check stuck past its 2 s budget (as a hung CUDA call would be) is killed and
+    reports `timeout`; the next check still runs, in its own process."""
+    ctx = gpu_check.Context(device="cpu", no_gpu="rehearsal")
+    stuck = dataclasses.replace(by_name("trainer_bf16"), budget_s=2.0)
+    out = []
+    lines = gpu_check.run_all([(stuck, None), (by_name("doctor"), None)], ctx, tmp_path, 300.0, out.append,
+                              command_for=lambda c: [sys.executable, "-c", "import time; time.sleep(600)"]
+                              if c is stuck else None)
+    assert out == lines
+    assert [(line["check"], line["status"]) for line in lines] == [("trainer_bf16", "timeout"), ("doctor", "pass")]
+    assert lines[0]["reason"] == "over its 2 s budget" and 2 <= lines[0]["seconds"] < 60
+    json.dumps(lines)  # every line is JSON
+
+
+LAUNCH_AND_HANG = """
+import sys, time
+sys.path.insert(0, {benchmarks!r})
+from common import launch, new_home
+launch(new_home("t"), "--nproc-per-node", "1", "--job", "gpu-check-t", "-m", "trainwatch.trainer",
+       "--model-size", "tiny", "--max-steps", "100000")
+time.sleep(600)
+"""
+
+
+def test_a_timed_out_check_ends_the_jobs_it_launched(tmp_path, monkeypatch):
+    """A check that launched a job (a session of its own) and then ran over its
+    budget: the job is ended with it and its shared-memory segment reaped."""
     from common import session_pids
 
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the launched jobs' homes
-    ctx = gpu_check.Context(device="cpu", no_gpu="rehearsal")
-    slow = dataclasses.replace(by_name("nccl_hang_resume"), budget_s=15.0)
-    quick = by_name("doctor")
-    out = []
-    lines = gpu_check.run_all([(slow, None), (quick, None)], ctx, tmp_path, 300.0, out.append)
-    assert out == lines
-    assert [(line["check"], line["status"]) for line in lines] == [("nccl_hang_resume", "timeout"),
-                                                                    ("doctor", "pass")]
-    assert lines[0]["reason"] == "over its 15 s budget" and lines[0]["seconds"] < 60
-    json.dumps(lines)  # every line is JSON
-    launched = [int(line.split()[0]) for line in (tmp_path / "nccl_hang_resume.sessions").read_text().splitlines()]
-    assert launched, "the check never reached its launch"
-    assert wait_for(lambda: not any(session_pids(sid) for sid in launched), 30, what="launched job ended")
-    # The killed launcher's segment is reaped, as `trainwatch jobs` would.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the launched job's home
+    script = tmp_path / "launch_and_hang.py"
+    script.write_text(LAUNCH_AND_HANG.format(benchmarks=str(ROOT / "benchmarks")))
+    sessions = tmp_path / "doctor.sessions"
+
+    def launched_then_timeout():
+        return gpu_check.run_check(by_name("doctor"), gpu_check.Context(device="cpu"), tmp_path / "context.json",
+                                   tmp_path, 20.0, command=[sys.executable, str(script)])
+
+    line = launched_then_timeout()
+    assert line["status"] == "timeout"
+    pids = [int(row.split()[0]) for row in sessions.read_text().splitlines()]
+    assert len(pids) == 1
+    assert wait_for(lambda: not session_pids(pids[0]), 30, what="launched job ended")
     segments = [json.loads(p.read_text()).get("slots") for p in tmp_path.glob("*/jobs/*/job.json")]
-    assert segments and not any(seg and os.path.exists(seg) for seg in segments)
+    assert not any(seg and os.path.exists(seg) for seg in segments)
 
 
 def test_no_time_left_skips_the_rest(tmp_path):
