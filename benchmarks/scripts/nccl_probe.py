@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import torch
 import torch.distributed as dist
 
+from trainwatch import procctl
+
 
 def main() -> int:
+    # torchrun starts each rank in a session of its own: should torchrun be killed
+    # (gpu_check's time bound), a rank hung in NCCL must not outlive it on the GPU.
+    procctl.die_with_parent(signal.SIGKILL, os.getppid())
     local = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local % torch.cuda.device_count())
     torch.cuda.set_device(device)
