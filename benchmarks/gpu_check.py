@@ -405,7 +405,7 @@ def check_trainer_nccl(ctx: Context) -> dict:
 
 
 DEFERRED_PROBE = r'''
-import json, sys, time, warnings
+import json, time, warnings
 import torch
 import trainwatch
 from trainwatch.rank import bootstrap
