@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-repeat setup system-deps bench clean
+.PHONY: run test test-repeat setup system-deps bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -50,6 +50,15 @@ bench: setup
 	$(BIN)/python benchmarks/detection.py
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/explain_accuracy.py
+
+# On a GPU machine: every CUDA/NCCL/NVML path and the trainer's MFU, one JSON
+# line per check, under 8 minutes on one H100 (benchmarks/gpu_check.py; README).
+# Installs nothing beyond `setup`; fp8 needs the [gpu] extra installed already.
+# GPU_PY=/path/to/python runs it in another environment that has trainwatch;
+# GPU_CHECK_ARGS="--only nvml doctor --out-dir out" passes options.
+GPU_PY ?= $(BIN)/python
+gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),setup)
+	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

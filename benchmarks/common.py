@@ -29,9 +29,26 @@ def env_for(home: Path) -> dict:
     return env
 
 
+SESSIONS_ENV = "TRAINWATCH_BENCH_SESSIONS"
+"""A file where launch() lists each launcher's session id and TRAINWATCH_HOME (one
+"PID HOME" line each): a caller that bounds a benchmark's time (gpu_check.py)
+ends those sessions when the bound runs out, and reaps what their jobs left."""
+
+
+def trainwatch_command() -> list[str]:
+    """The `trainwatch` command beside this Python, or the module where the
+    project is importable without its console script."""
+    script = BIN / "trainwatch"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "trainwatch.cli"]
+
+
 def launch(home: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "trainwatch"), "launch", *args], env=env_for(home), cwd=str(ROOT),
+    proc = subprocess.Popen([*trainwatch_command(), "launch", *args], env=env_for(home), cwd=str(ROOT),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    if os.environ.get(SESSIONS_ENV):
+        with open(os.environ[SESSIONS_ENV], "a") as f:
+            f.write(f"{proc.pid} {home}\n")
+    return proc
 
 
 def stop(proc: subprocess.Popen, timeout: float = 60) -> str:

@@ -90,38 +90,52 @@ def names(verdict: dict, incident: dict) -> bool:
                  or verdict.get("runbook") == incident.get("runbook")))
 
 
-def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float, observe_s: float = 10.0) -> dict:
-    """The fault's run: polls `diagnose` from the start until `observe_s` after
-    the detection, then counts the incidents of the kind (goal 1) and the polls
+def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float, *, culprit: int = CULPRIT,
+              workload: list[str] | None = None, on_detected=None, observe_s: float = 10.0,
+              poll: bool = True) -> dict:
+    """One fault in a real job: detected?, the right culprit?, latency. `workload`
+    replaces the job's command line; `on_detected(home, job)` runs while the job
+    still runs, once the incident is in (its answer is the result's "extra").
+    With `poll`, `diagnose` is polled from the start until `observe_s` after the
+    detection: the incidents of the kind are counted (goal 1) and the polls
     whose verdict names the incident (goal 1.0 after detection; none `healthy`
     between the fault and its detection)."""
     home = new_home(name)
     klog = home / "kern.log"
     klog.write_text("")
     proc = launch(home, "--nproc-per-node", str(ranks), "--job", name, "--no-restart", "--inject", spec,
-                  "--kernel-log", str(klog), *FAULT_FLAGS.get(name, []), *FAULT_WORKLOAD.get(name, TRAINER))
+                  "--kernel-log", str(klog), *FAULT_FLAGS.get(name, []),
+                  *(workload or FAULT_WORKLOAD.get(name, TRAINER)))
+    extra = None
     polls: list[tuple[float, dict]] = []
     found, deadline, seen_at = [], time.monotonic() + timeout, None
     try:
         while time.monotonic() < deadline:
-            report = diagnose(home, name)
-            if report is not None:
-                polls.append((time.time(), report))
+            if poll:
+                asked = time.time()
+                report = diagnose(home, name)
+                if report is not None:
+                    polls.append((asked, report))
             found = [e for e in events(home, name) if e["kind"] == kind]
             if found and seen_at is None:
                 seen_at = time.monotonic()
-            if seen_at is not None and time.monotonic() - seen_at >= observe_s:
+            if seen_at is not None and (not poll or time.monotonic() - seen_at >= observe_s):
                 break
-            time.sleep(0.5)
+            time.sleep(0.5 if poll else 0.1)
         fired = faults_fired(home, name)
         found = [e for e in events(home, name) if e["kind"] == kind]
+        if found and on_detected is not None:
+            extra = on_detected(home, name)
     finally:
         stop(proc)
     result = {"detected": bool(found), "culprit_ok": False, "latency_s": None, "incidents_per_fault": len(found),
               "verdict_agrees": None, "healthy_before_detection": None}
+    if extra is not None:
+        result["extra"] = extra
     if found:
         incident = found[0]
-        result["culprit_ok"] = incident["culprit_ranks"] == [CULPRIT]
+        result["culprit_ranks"] = incident["culprit_ranks"]
+        result["culprit_ok"] = incident["culprit_ranks"] == [culprit]
         if fired:
             result["latency_s"] = round(incident["detected_mono"] - fired[0]["mono"], 3)
             fired_wall = fired[0].get("wall")

@@ -1,7 +1,7 @@
 """Telemetry overhead: what one `tw.step()` costs, and what the whole
 instrumentation costs a real DDP training step.
 
-    python benchmarks/overhead.py [--ranks 2] [--model-size small] [--pairs 12] [--block 15]
+    python benchmarks/overhead.py [--ranks 2] [--model-size small] [--pairs 12] [--block 15] [--device cpu|cuda]
 
 record_ns: median cost of one tw.step(loss=..., grad_norm=...) into a real
 shared-memory slot (sampler thread running, as under `trainwatch launch`).
@@ -51,14 +51,18 @@ def measure_record_ns(calls: int = 20000, batches: int = 15) -> float:
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     from trainwatch.trainer.config import MODEL_PRESETS
     from trainwatch.trainer.data import get_batch, load_corpus
     from trainwatch.trainer.model import GPT
 
     preset = MODEL_PRESETS[args.model_size]
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(GPT(preset))
+    model = torch.nn.parallel.DistributedDataParallel(GPT(preset).to(device), device_ids=[device] if cuda else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     corpus = load_corpus()
     seg_path = os.path.join(out_path + ".d", "seg")
@@ -66,6 +70,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_p
 
     def step(i: int, on: bool) -> None:
         x, y = get_batch(corpus, seed=0, step=i, rank=rank, batch_size=preset.batch_size, seq_len=preset.seq_len)
+        x, y = x.to(device), y.to(device)
         if on:
             with tw.phase("data"):
                 pass
@@ -134,6 +139,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=12, help="ON/OFF block pairs")
     p.add_argument("--block", type=int, default=15, help="steps per block")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one rank per GPU (ranks beyond the GPUs share them), NCCL")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print("measuring record cost ...", file=sys.stderr, flush=True)
@@ -150,6 +157,7 @@ def main() -> None:
         "steps_per_side": step["steps"],
         "ranks": args.ranks,
         "model_size": args.model_size,
+        "device": args.device,
     }
     print(json.dumps(result))
 

@@ -47,7 +47,7 @@ def pytest_addoption(parser):
                           "(tests/repeat.py uses it to find tests that depend on what ran before them)")
 
 
-def pytest_collection_modifyitems(config, items):
+def _shuffle(config, items) -> None:
     seed = config.getoption("--shuffle")
     if seed is None:
         return
@@ -62,3 +62,24 @@ def pytest_collection_modifyitems(config, items):
     order = list(modules)
     rng.shuffle(order)
     items[:] = [item for name in order for item in rng.sample(modules[name], len(modules[name]))]
+
+
+def _skip_gpu_tests(items) -> None:
+    """`gpu`-marked tests need an NVIDIA GPU: without one (NVML sees none) they are
+    skipped with NVML's reason, so the suite passes on CPU machines."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    from trainwatch.watchdog.preflight import read_gpus
+
+    gpus, reason = read_gpus()
+    if gpus:
+        return
+    skip = pytest.mark.skip(reason=reason or "no GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def pytest_collection_modifyitems(config, items):
+    _shuffle(config, items)
+    _skip_gpu_tests(items)

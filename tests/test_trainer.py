@@ -18,7 +18,7 @@ from trainwatch.trainer.__main__ import build_parser
 from trainwatch.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from trainwatch.trainer.config import MODEL_PRESETS, TrainConfig, UsageError, resolve
 from trainwatch.trainer.data import get_batch, load_corpus
-from trainwatch.trainer.model import GPT, VOCAB_SIZE, peak_bf16_flops
+from trainwatch.trainer.model import GPT, VOCAB_SIZE
 from trainwatch.trainer.train import FP8_ERROR, lr_at
 
 TINY = ["--model-size", "tiny", "--log-interval", "10"]
@@ -100,13 +100,6 @@ def test_tiny_model_shape_and_initial_loss() -> None:
     logits, loss = model(x, y)
     assert logits.shape == (2, 16, VOCAB_SIZE)
     assert abs(loss.item() - math.log(VOCAB_SIZE)) < 0.3  # near uniform at init
-
-
-def test_peak_flops_table() -> None:
-    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
-    assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert peak_bf16_flops("Tesla T4") is None
 
 
 def test_cli_flags_cover_every_config_field() -> None:

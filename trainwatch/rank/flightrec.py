@@ -1,8 +1,8 @@
 """What the rank's background thread samples: collective sequence numbers per
-process group from PyTorch's flight recorder, when this rank arrived at recent
-collectives of the default group (for the zero-code straggler detector), the
-default group's sequence counter for the step path, and the process's I/O
-counter.
+process group from PyTorch's flight recorders (NCCL's own and the generic one
+gloo uses), when this rank arrived at recent collectives of the default group
+(for the zero-code straggler detector), the default group's sequence counter
+for the step path, and the process's I/O counter.
 
 The flight recorder's API is private: every read is guarded by presence and
 shape and falls back to None (the sampler then publishes its own counts).
@@ -16,6 +16,37 @@ import zlib
 from collections.abc import Callable
 
 from trainwatch import env, slots
+
+
+DUMPS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")
+"""torch's flight-recorder dumps: ProcessGroupNCCL's own recorder, then the generic one (gloo)."""
+
+
+def merged_dump(dumps, **kw) -> dict:
+    """One dump of several recorders: their entries in turn, their groups' status
+    together (process-group ids are numbered across backends, so they never clash).
+    A recorder that fails is left out; all failing raises the last error."""
+    entries: list = []
+    status: dict = {}
+    error: Exception | None = None
+    ok = False
+    for fn in dumps:
+        try:
+            data = json.loads(fn(**kw))
+        except Exception as e:  # noqa: BLE001 - a private API: try the others
+            error = e
+            continue
+        if not isinstance(data, dict):
+            error = TypeError("a flight recorder dump of an unknown shape")
+            continue
+        ok = True
+        if isinstance(data.get("entries"), list):
+            entries += data["entries"]
+        if isinstance(data.get("pg_status"), dict):
+            status.update(data["pg_status"])
+    if not ok:
+        raise error or RuntimeError("no flight recorder dump")
+    return {"entries": entries, "pg_status": status}
 
 
 class FlightRecorderReader:
@@ -40,11 +71,18 @@ class FlightRecorderReader:
         if not os.environ.get(env.FR_BUFFER_SIZE):
             return
         try:
-            from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+            import torch._C._distributed_c10d as c10d
 
-            self._fn = _dump_fr_trace_json
+            # Two recorders: NCCL's process groups record into their own (CUDA
+            # events; only in CUDA builds), gloo's into the generic one. A job
+            # may use both (NCCL for training, gloo for CPU-side groups).
+            dumps = [fn for fn in (getattr(c10d, name, None) for name in DUMPS) if fn is not None]
         except Exception:  # noqa: BLE001 - a private API: any failure means "not available"
-            self._fn = None
+            dumps = []
+        if len(dumps) == 1:
+            self._fn = dumps[0]
+        elif dumps:
+            self._fn = lambda **kw: merged_dump(dumps, **kw)
 
     def sample(self) -> list[slots.CollectiveGroup] | None:
         self.arrivals = None
@@ -55,7 +93,8 @@ class FlightRecorderReader:
 
             if not dist.is_available() or not dist.is_initialized():
                 return self._last
-            data = json.loads(self._fn(includeCollectives=True, onlyActive=False))
+            raw = self._fn(includeCollectives=True, onlyActive=False)
+            data = raw if isinstance(raw, dict) else json.loads(raw)
             if not isinstance(data, dict) or not isinstance(data.get("pg_status") or {}, dict):
                 raise TypeError("a flight recorder dump of an unknown shape")
         except Exception:  # noqa: BLE001 - a private API: any failure means "not available"

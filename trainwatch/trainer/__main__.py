@@ -43,9 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     docs = field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
+        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
+        if str(f.type) == "bool":
+            parser.add_argument(f"--{flag(f.name)}", dest=f.name, action="store_true", help=help_text)
+            continue
         kind = _value_type(str(f.type))
         default = f.default
-        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
         if default is not None:
             help_text += f" (default: {default})"
         parser.add_argument(

@@ -14,9 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainwatch.trainer.config import ModelPreset
-
-VOCAB_SIZE = 256
-"""Byte-level tokens: every byte is a token, so no tokenizer is needed."""
+from trainwatch.trainer.mfu import VOCAB_SIZE  # noqa: F401 - byte-level tokens: every byte is a token, no tokenizer
 
 
 def _linear_cls(fp8: bool) -> type[nn.Module]:
@@ -111,28 +109,3 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), targets.reshape(-1))
         return logits, loss
-
-
-def flops_per_token(model: GPT, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per parameter (forward + backward matmuls) plus
-    attention scores and values, 12 * layers * width * sequence (the PaLM estimate)."""
-    p = model.preset
-    return 6.0 * model.num_params() + 12.0 * p.n_layer * p.d_model * seq_len
-
-
-# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment; the first match wins,
-# so the more specific names come first. Unknown devices report no MFU.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-)
-
-
-def peak_bf16_flops(device_name: str) -> float | None:
-    for fragment, peak in PEAK_BF16_FLOPS:
-        if fragment in device_name:
-            return peak
-    return None

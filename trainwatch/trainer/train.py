@@ -29,7 +29,8 @@ import trainwatch
 from trainwatch import checkpoint as ckpt
 from trainwatch.trainer.config import MODEL_PRESETS, TrainConfig, UsageError, summary
 from trainwatch.trainer.data import get_batch, load_corpus
-from trainwatch.trainer.model import GPT, flops_per_token, peak_bf16_flops
+from trainwatch.trainer import mfu
+from trainwatch.trainer.model import GPT
 from trainwatch.trainer.resume import agree, checkpoint_writer, find_resume
 
 FP8_ERROR = "--precision fp8 needs a CUDA GPU and transformer-engine (pip install 'trainwatch[gpu]')"
@@ -88,7 +89,9 @@ def _runtime(device_pref: str, environ: dict[str, str]) -> Runtime:
     if device_pref == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda needs a CUDA GPU and a CUDA build of torch; use --device cpu or auto")
     use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    # More ranks than GPUs share them in turn (NCCL refuses two ranks of one
+    # communicator on one GPU, and says so; gloo over CUDA tensors does not).
+    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if use_cuda else torch.device("cpu")
     return Runtime(rank=rank, local_rank=local_rank, world_size=world, device=device, distributed=launched)
 
 
@@ -122,6 +125,21 @@ def _precision_context(precision: str, device: torch.device) -> Callable[[], con
             yield
 
     return fp8
+
+
+def _deterministic(rt: Runtime) -> None:
+    """Deterministic kernels only. On CUDA: cuBLAS's fixed-size workspace (read when
+    its first handle is made, so set before the first matmul) and torch's own
+    attention kernels (the fused ones' backward may sum in a varying order)."""
+    if rt.device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+            torch.backends.cuda.enable_cudnn_sdp(False)
+    # warn_only: an op without a deterministic kernel says so and the run goes on.
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -225,6 +243,8 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
     if rt.device.type == "cuda":
         torch.cuda.set_device(rt.device)
         torch.set_float32_matmul_precision("high")
+    if cfg.deterministic:
+        _deterministic(rt)
     writer = rt.rank == 0
     if rt.distributed:
         tw.set_phase("init")
@@ -265,7 +285,10 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
          writer: bool = True) -> TrainResult:
     preset = MODEL_PRESETS[cfg.model_size]
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every run
-    model = GPT(preset, fp8=cfg.precision == "fp8").to(rt.device)
+    # Built on the GPU when there is one: initialising the largest size's 1.2B
+    # weights with the CPU's generator takes longer than a hundred training steps.
+    with torch.device(rt.device) if rt.device.type == "cuda" else contextlib.nullcontext():
+        model = GPT(preset, fp8=cfg.precision == "fp8").to(rt.device)
     opt = _optimizer(model, cfg, rt.device)
     scaler = _scaler(cfg, rt, tw)
     faults = tw.faults  # injected faults (--inject); no-ops unless armed in this rank
@@ -275,7 +298,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
         del state  # the checkpoint's tensors are copied in; free the CPU copy
     ddp = model
     if rt.distributed:
-        ddp = DistributedDataParallel(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+        ddp = DistributedDataParallel(model, device_ids=[rt.device] if rt.device.type == "cuda" else None)
     corpus = load_corpus()
     autocast = _precision_context(cfg.precision, rt.device)
     if rt.distributed:
@@ -290,8 +313,9 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
         (warm * 0.0).backward()
         opt.zero_grad(set_to_none=True)
     tokens_per_rank = cfg.batch_size * cfg.seq_len
-    peak = peak_bf16_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
-    flops_per_step = flops_per_token(model, cfg.seq_len) * tokens_per_rank
+    # MFU against the bf16 peak whatever the precision (fp8 runs only the matmuls in fp8).
+    peak = mfu.peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
+    per_token = mfu.flops_per_token(preset, cfg.seq_len)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
 
     done_step = first_step - 1
@@ -309,6 +333,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
 
     first_loss = final_loss = math.nan
     window_s, window_n = 0.0, 0
+    wait_here = rt.distributed and rt.device.type == "cuda"
     for step in range(first_step, cfg.max_steps + 1):
         t0 = time.monotonic()
         lr = lr_at(step, cfg)
@@ -357,7 +382,11 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
             values.append(scaler._get_scale_async().float())
         if zeros is not None:
             values.append(zeros.float())
-        local_v, mean_v, norm_v, *more = torch.stack(values).tolist()
+        # On a GPU the collectives above only queue work; this read is where the
+        # host waits for the device to finish the step, all-reduces included: a
+        # rank whose peer hangs blocks here, and must read as waiting on peers.
+        with tw.phase("collective") if wait_here else contextlib.nullcontext():
+            local_v, mean_v, norm_v, *more = torch.stack(values).tolist()
         done_step = step
         tw.step(loss=local_v, grad_norm=norm_v, step=step, lr=float(lr_used),
                 loss_scale=more[0] if scaler is not None else None,
@@ -387,7 +416,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
                 f"{tokens_per_rank * rt.world_size / avg_s:.0f} tok/s"
             )
             if peak is not None:
-                line += f" | mfu {100.0 * flops_per_step / avg_s / peak:.1f}%"
+                line += f" | mfu {100.0 * mfu.mfu(tokens_per_rank / avg_s, per_token, peak):.1f}%"
             say(line)
             window_s, window_n = 0.0, 0
     return TrainResult(first_step, cfg.max_steps, first_loss, final_loss, 0.0, resumed_from)
