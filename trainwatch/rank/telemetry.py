@@ -76,6 +76,10 @@ class Telemetry:
         """...on process groups spanning every rank: what all ranks must agree on."""
         self.last_py_op = ""
         self._explicit = False
+        self.nonfinite_step = 0
+        """The last step whose reported loss or grad norm was NaN/inf (0: none): its state is not staged."""
+        self.data_offset = 0
+        """Batches a trainer skipped (after a non-finite loss): step s trains on data window s + data_offset."""
         self._source = slots.STEP_COUNTED
         self._first = 0
         self._seq_fn: Callable[[], int] | None = None
@@ -107,6 +111,12 @@ class Telemetry:
     @property
     def current_step(self) -> int:
         return self._step
+
+    def resume_at(self, step: int) -> None:
+        """This process continues a run after `step` (a resumed trainer): until
+        its first step, faults and failure records count from there."""
+        if not self._first:
+            self._step = step
 
     def step(self, loss: Any = None, grad_norm: Any = None, *, step: int | None = None, compute_s: float | None = None,
              lr: Any = None, loss_scale: Any = None, zero_grad_frac: Any = None) -> None:
@@ -148,9 +158,13 @@ class Telemetry:
         step_s = now - self._last
         self._last = now
         if loss is not None:
-            self._loss = loss if loss.__class__ is float else float(loss)
+            self._loss = v = loss if loss.__class__ is float else float(loss)
+            if v - v != 0.0:  # NaN or inf (inf - inf is NaN)
+                self.nonfinite_step = n
         if grad_norm is not None:
-            self._grad_norm = grad_norm if grad_norm.__class__ is float else float(grad_norm)
+            self._grad_norm = v = grad_norm if grad_norm.__class__ is float else float(grad_norm)
+            if v - v != 0.0:
+                self.nonfinite_step = n
         self._step_s = step_s
         if compute_s is not None:
             self._compute_s = compute_s
@@ -279,6 +293,28 @@ class Telemetry:
             out["optimizer"] = optimizer.state_dict()
         return out
 
+    # ---- why this rank failed (read by the agent before it restarts) ---------------
+
+    def record_failure(self, type_name: str, message: str, where: str | None) -> None:
+        """Say why this rank is about to exit: the exception's type, its message's
+        last line, the user's file:line and the step, one line in the job's
+        errors file. The agent does not restart what a restart cannot fix."""
+        job, home = os.environ.get(env.JOB), os.environ.get(env.HOME)
+        if not job or not home or not self.attached:
+            return
+        import json
+        from pathlib import Path
+
+        from trainwatch import state
+
+        line = json.dumps({"run": os.environ.get(env.RUN, ""), "generation": self.restart, "rank": self.rank,
+                           "step": self._step, "stepped": self._first != 0, "type": type_name[:200],
+                           "message": message[:1000], "where": (where or "")[:500], "time": time.time()})
+        try:
+            state.append_line(state.JobDir(job, root=Path(home)).errors_file, line)
+        except (OSError, state.StateError):
+            pass
+
     # ---- fault-injection points (no-ops unless `--inject` armed this rank) ------
 
     def fault_point(self, where: str) -> None:
@@ -399,8 +435,8 @@ def init() -> Telemetry:
         if segment is None:
             tw = Telemetry(_Anonymous(), 0, rank=rank, world_size=world, restart=restart, attached=False)
         else:
-            # Faults fire on the first run only: a restarted job must be able to recover.
-            faults = armed_faults(os.environ.get(env.INJECT), rank) if restart == 0 else NO_FAULTS
+            # After a restart, faults that already fired stay fired (see inject.faults).
+            faults = armed_faults(os.environ.get(env.INJECT), rank, restart)
             # Launched by trainwatch: never outlive the launcher (a SIGKILLed
             # launcher would leave ranks training, unwatched, forever).
             parent = os.environ.get(env.PARENT_PID) or os.environ.get(env.LAUNCHER_PID, "")

@@ -12,12 +12,21 @@ A restarted multi-node job resumes from the newest step for which every rank
 has a checkpoint that verifies, agreed with one all-gather: a node that lost
 its disk, or joined new, never trains on from another step than its peers.
 A node with no copy of any step the others have is a clear error (exit 2).
+
+A checkpoint holding NaN/inf is never resumed from. A run stopped by a
+non-finite loss leaves a marker (`nonfinite.json`: the step) in its
+--ckpt-dir; the next start rolls back to the newest checkpoint before that
+step, and checkpoints of that step or later (the broken timeline) are moved
+aside into `rolled-back/`.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from trainwatch import checkpoint as ckpt
+from trainwatch import state as statefiles
 from trainwatch.trainer.config import MODEL_PRESETS, TrainConfig
 from trainwatch.trainer.model import GPT
 
@@ -40,6 +50,53 @@ class Resume:
     available: dict[int, str] = field(default_factory=dict)
     """step -> checkpoint directory of every checkpoint here that verifies."""
     explicit: bool = False
+    rollback: int | None = None
+    """The step whose loss was non-finite (from the marker): only checkpoints before it were candidates."""
+
+NONFINITE_MARKER = "nonfinite.json"
+ROLLED_BACK = "rolled-back"
+
+
+def write_nonfinite_marker(ckpt_dir: str, step: int, what: str) -> None:
+    """Say in ckpt_dir that the run went non-finite at `step` (the next start rolls back before it)."""
+    statefiles.write_json_atomic(Path(ckpt_dir) / NONFINITE_MARKER, {"step": int(step), "what": what,
+                                                                      "time": time.time()})
+
+
+def read_nonfinite_marker(ckpt_dir: str, warn=lambda msg: None) -> int | None:
+    """The step of the marker, or None; a marker that does not parse is said and ignored."""
+    path = Path(ckpt_dir) / NONFINITE_MARKER
+    try:
+        raw = path.read_bytes()[:65536]
+    except OSError:
+        return None
+    try:
+        step = json.loads(raw).get("step")
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 1:
+            return step
+    except (ValueError, AttributeError, RecursionError):
+        pass
+    warn(f"warning: ignoring {path}: not a non-finite marker written by the trainer")
+    return None
+
+
+def finish_rollback(ckpt_dir: str, step: int, say) -> None:
+    """After every rank chose its checkpoint: move checkpoints of `step` or later
+    aside (they belong to the run that went non-finite) and remove the marker."""
+    root = Path(ckpt_dir)
+    aside = root / ROLLED_BACK
+    for info in ckpt.valid_checkpoints(root, warn=lambda msg: None):
+        if info.step >= step:
+            try:
+                aside.mkdir(exist_ok=True)
+                shutil.move(str(info.path), str(aside / f"{info.path.name}-{int(time.time())}"))
+                say(f"moved {info.path.name} (step {info.step}, after the non-finite step {step}) to {aside}")
+            except OSError:
+                pass
+    try:
+        os.unlink(root / NONFINITE_MARKER)
+    except OSError:
+        pass
 
 
 def find_resume(cfg: TrainConfig, rank: int) -> Resume:
@@ -61,16 +118,20 @@ def find_resume(cfg: TrainConfig, rank: int) -> Resume:
     if not cfg.ckpt_dir:
         return Resume()
     warn = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
-    # The newest checkpoint that verifies and fits this model; an older one
-    # when the newest cannot be loaded (another model size, a torn file).
-    out = Resume()
+    # The newest checkpoint that verifies, fits this model and holds finite
+    # values; an older one when the newest cannot be loaded (another model
+    # size, a torn file, NaN weights). After a non-finite loss, only one from
+    # before that step.
+    out = Resume(rollback=read_nonfinite_marker(cfg.ckpt_dir, warn))
     for info in ckpt.valid_checkpoints(cfg.ckpt_dir, warn=warn):
+        if out.rollback is not None and info.step >= out.rollback:
+            continue
         if out.state is not None:
             out.available.setdefault(info.step, str(info.path))
             continue
         try:
             state = ckpt.load_checkpoint(info)
-            problem = misfit(state, cfg)
+            problem = misfit(state, cfg) or ckpt.nonfinite_problem(state)
         except ckpt.CheckpointError as e:
             problem = str(e)
         if problem is None:
@@ -89,7 +150,7 @@ def agree(resume: Resume, cfg: TrainConfig, say) -> Resume:
     steps: list = [None] * dist.get_world_size()
     dist.all_gather_object(steps, mine)
     if not any(steps):
-        return Resume()
+        return Resume(rollback=resume.rollback)
     common = set.intersection(*(set(s) for s in steps))
     if not common:
         lacking = [r for r, s in enumerate(steps) if not s or max(s) < max(max(x) for x in steps if x)]
@@ -102,8 +163,11 @@ def agree(resume: Resume, cfg: TrainConfig, say) -> Resume:
         return resume
     where = resume.available[step]
     state = ckpt.load_checkpoint(where)
+    if (problem := ckpt.nonfinite_problem(state)):
+        raise ckpt.CheckpointError(f"checkpoint {where}, the newest step every rank holds, {problem}; "
+                                   "start over with --resume never")
     say(f"resuming every node from step {step}, the newest all of them hold (this node had {resume.step})")
-    return Resume(state, where, step, resume.available)
+    return Resume(state, where, step, resume.available, rollback=resume.rollback)
 
 
 def checkpoint_writer(cfg: TrainConfig, rank: int, local_rank: int) -> bool:

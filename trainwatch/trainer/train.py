@@ -10,6 +10,13 @@ run continues exactly where an uninterrupted one would be.
 Each step reports its loss, grad norm, LR and (fp16) loss scale, and every
 ZERO_GRAD_EVERY steps the fraction of zero gradient elements, read from the
 device together in one copy.
+
+A NaN/inf loss (or grad norm, without a loss scaler) stops the run under
+--nan-policy fail, before the broken state is checkpointed: the restart rolls
+back to the newest checkpoint before that step, optionally skipping the data
+window that produced it (--nan-skip-batches) and lowering the LR
+(--nan-lr-factor); both are kept in the checkpoint, so a later resume
+continues on the same data and LR.
 """
 
 from __future__ import annotations
@@ -27,10 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import trainwatch
 from trainwatch import checkpoint as ckpt
-from trainwatch.trainer.config import MODEL_PRESETS, TrainConfig, UsageError, summary
+from trainwatch.trainer.config import MODEL_PRESETS, NonFiniteLoss, TrainConfig, UsageError, summary
 from trainwatch.trainer.data import get_batch, load_corpus
 from trainwatch.trainer.model import GPT, flops_per_token, peak_bf16_flops
-from trainwatch.trainer.resume import agree, checkpoint_writer, find_resume
+from trainwatch.trainer.resume import agree, checkpoint_writer, find_resume, finish_rollback, write_nonfinite_marker
 
 FP8_ERROR = "--precision fp8 needs a CUDA GPU and transformer-engine (pip install 'trainwatch[gpu]')"
 STATE_FORMAT = 1
@@ -182,8 +189,16 @@ def _restore(state: dict, where: str, model: GPT, opt: torch.optim.Optimizer, rt
     return step
 
 
+def _int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+
+def _float(value: object, default: float) -> float:
+    return float(value) if isinstance(value, float) and 0 < value <= 1 else default
+
+
 def _state_dict(model: GPT, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig, rt: Runtime,
-                scaler: torch.amp.GradScaler | None = None) -> dict:
+                scaler: torch.amp.GradScaler | None = None, data_offset: int = 0, lr_scale: float = 1.0) -> dict:
     """The full checkpoint state: plain tensors, dicts, lists, numbers and strings."""
     rng: dict[str, torch.Tensor] = {"torch_cpu": torch.get_rng_state()}
     if rt.device.type == "cuda":
@@ -198,6 +213,8 @@ def _state_dict(model: GPT, opt: torch.optim.Optimizer, step: int, cfg: TrainCon
         "seed": cfg.seed,
         "world_size": rt.world_size,
         "config": summary(cfg),
+        "data_offset": data_offset,
+        "lr_scale": lr_scale,
     }
 
 
@@ -236,13 +253,22 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
                 # --ckpt-dir rank 0 does not write to keeps its own copy.
                 resume = agree(resume, cfg, say)
                 writer = checkpoint_writer(cfg, rt.rank, rt.local_rank)
+        if resume.rollback is not None:
+            if resume.state is not None:
+                say(f"rolled back to {resume.where} (step {resume.step}): the loss was non-finite at step "
+                    f"{resume.rollback}")
+            else:
+                say(f"starting over: no finite checkpoint before step {resume.rollback}, where the loss was non-finite")
+            if writer and cfg.ckpt_dir:  # every rank has loaded its state (checkpoint_writer's barriers)
+                finish_rollback(cfg.ckpt_dir, resume.rollback, say)
+        rollback = resume.rollback
         state, resumed_from = resume.state, resume.where
         first_step = 1 if state is None else resume.step + 1
         if first_step > cfg.max_steps:
             say(f"nothing to do: checkpoint {resumed_from} is at step {first_step - 1} >= --max-steps {cfg.max_steps}")
             return TrainResult(first_step, first_step - 1, math.nan, math.nan, 0.0, resumed_from)
         del resume
-        result = _run(cfg, rt, tw, state, resumed_from, first_step, say, writer)
+        result = _run(cfg, rt, tw, state, resumed_from, first_step, say, writer, rollback)
     except Exception as e:
         # A peer died or a collective failed: save the last completed step this
         # rank staged before exiting, so the restart loses nothing.
@@ -262,17 +288,26 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
 
 
 def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: str | None, first_step: int, say,
-         writer: bool = True) -> TrainResult:
+         writer: bool = True, rollback: int | None = None) -> TrainResult:
     preset = MODEL_PRESETS[cfg.model_size]
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every run
     model = GPT(preset, fp8=cfg.precision == "fp8").to(rt.device)
     opt = _optimizer(model, cfg, rt.device)
     scaler = _scaler(cfg, rt, tw)
     faults = tw.faults  # injected faults (--inject); no-ops unless armed in this rank
+    data_offset, lr_scale = 0, 1.0
     if state is not None:
         _restore(state, resumed_from or "?", model, opt, rt, cfg, scaler)
+        data_offset, lr_scale = _int(state.get("data_offset"), 0), _float(state.get("lr_scale"), 1.0)
         say(f"resumed from {resumed_from} (step {first_step - 1})")
         del state  # the checkpoint's tensors are copied in; free the CPU copy
+    if rollback is not None and (cfg.nan_skip_batches or cfg.nan_lr_factor != 1.0):
+        data_offset += cfg.nan_skip_batches
+        lr_scale *= cfg.nan_lr_factor
+        say(f"after the non-finite loss at step {rollback}: skipping {cfg.nan_skip_batches} batches "
+            f"(step {first_step} trains on batch {first_step + data_offset}), LR x{lr_scale:g}")
+    tw.data_offset = data_offset
+    tw.resume_at(first_step - 1)
     ddp = model
     if rt.distributed:
         ddp = DistributedDataParallel(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
@@ -296,7 +331,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
 
     done_step = first_step - 1
     # Staged to CPU after every step, so the watchdog can save it while this rank hangs.
-    tw.register_state(state_fn=lambda: _state_dict(model, opt, done_step, cfg, rt, scaler),
+    tw.register_state(state_fn=lambda: _state_dict(model, opt, done_step, cfg, rt, scaler, data_offset, lr_scale),
                       checkpoint_dir=cfg.ckpt_dir, keep=cfg.keep)
     # Logging collectives get their own group, as in most real trainers: a rank
     # that desynchronises there leaves DDP's gradient all-reduces intact.
@@ -311,12 +346,13 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
     window_s, window_n = 0.0, 0
     for step in range(first_step, cfg.max_steps + 1):
         t0 = time.monotonic()
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg) * lr_scale
         for group in opt.param_groups:
             group["lr"] = lr
         tw.fault_point("data")
         with tw.phase("data"):
-            x, y = get_batch(corpus, seed=cfg.seed, step=step, rank=rt.rank, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+            x, y = get_batch(corpus, seed=cfg.seed, step=step + data_offset, rank=rt.rank, batch_size=cfg.batch_size,
+                             seq_len=cfg.seq_len)
             x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
         tw.fault_point("forward")
         with tw.phase("forward"):
@@ -363,6 +399,16 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
                 loss_scale=more[0] if scaler is not None else None,
                 zero_grad_frac=more[-1] if zeros is not None else None)
         tw.fault_point("step_end")
+        # With a loss scaler an inf grad norm is an overflow the scaler skipped,
+        # not a broken step. Every rank sees the same mean loss and grad norm.
+        if cfg.nan_policy == "fail" and not (math.isfinite(mean_v) and (scaler is not None or math.isfinite(norm_v))):
+            what = f"loss {mean_v}" if not math.isfinite(mean_v) else f"grad norm {norm_v}"
+            if writer and cfg.ckpt_dir:
+                write_nonfinite_marker(cfg.ckpt_dir, step, what)
+            raise NonFiniteLoss(
+                f"non-finite {what} at step {step}; stopped before saving it (--nan-policy fail): a restart rolls "
+                "back to the newest checkpoint before this step; pass --nan-skip-batches N to skip the data that "
+                "produced it (and --nan-lr-factor F to lower the LR), or --nan-policy alert to train on")
         step_s = time.monotonic() - t0
         window_s, window_n = window_s + step_s, window_n + 1
         if step == first_step:
@@ -371,15 +417,18 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
 
         if cfg.ckpt_dir and writer and (step % cfg.ckpt_interval == 0 or step == cfg.max_steps):
             with tw.phase("checkpoint"):
-                ckpt.save_checkpoint(
-                    cfg.ckpt_dir,
-                    step,
-                    _state_dict(model, opt, step, cfg, rt, scaler),
-                    keep=cfg.keep,
-                    rank=rt.rank,
-                    world_size=rt.world_size,
-                    fault_point=lambda: tw.fault_point("checkpoint"),
-                )
+                try:
+                    ckpt.save_checkpoint(
+                        cfg.ckpt_dir,
+                        step,
+                        _state_dict(model, opt, step, cfg, rt, scaler, data_offset, lr_scale),
+                        keep=cfg.keep,
+                        rank=rt.rank,
+                        world_size=rt.world_size,
+                        fault_point=lambda: tw.fault_point("checkpoint"),
+                    )
+                except ckpt.NonFiniteState as e:  # --nan-policy alert trains on; its NaN is never saved
+                    print(f"warning: {e}", flush=True)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             avg_s = window_s / window_n
             line = (

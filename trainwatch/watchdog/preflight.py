@@ -90,3 +90,18 @@ def check_launch(args: argparse.Namespace) -> None:
     if failed and getattr(args, "strict", False):
         # usage.fail prefixes the first line; the others get theirs here: one `error:` line per failure.
         raise LaunchError(printable("\nerror: ".join(f"doctor: {c.id}: {c.message} (--strict)" for c in failed)))
+
+
+def check_master_port(args: argparse.Namespace) -> None:
+    """A --master-port something on this machine already listens on fails every
+    rank (after torch's timeout): say it now, in one line."""
+    from trainwatch.views.hostchecks import probe_port, resolve_with_timeout
+    from trainwatch.watchdog.options import LaunchError
+
+    try:
+        addresses = resolve_with_timeout(args.master_addr or "127.0.0.1")
+    except OSError:
+        return
+    if addresses and probe_port(addresses, int(args.master_port)) == "taken":
+        raise LaunchError(f"--master-port {args.master_port} is already in use on this machine: pick a free port "
+                          "(or leave --master-port out for a free one), or stop what listens there")
