@@ -129,7 +129,9 @@ class EmergencyCheckpointer:
         self._done_request = request
         writer.write_checkpoint_status(request, slots.CKPT_WRITING, self.staged_step)
         ok = self.write("requested by the watchdog") is not None
-        writer.write_checkpoint_status(request, slots.CKPT_OK if ok else slots.CKPT_FAILED, self.staged_step)
+        # The step written, not the one staged since (the training thread goes on meanwhile).
+        writer.write_checkpoint_status(request, slots.CKPT_OK if ok else slots.CKPT_FAILED,
+                                       self._written_step if ok else self.staged_step)
 
     @property
     def staged_step(self) -> int:

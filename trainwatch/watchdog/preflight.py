@@ -16,7 +16,7 @@ from typing import Any
 from trainwatch import env
 from trainwatch.usage import printable
 from trainwatch.views import doctor
-from trainwatch.views.hostchecks import GpuInfo, Options, positive_int
+from trainwatch.views.hostchecks import GpuInfo, Options, port_options, positive_int
 from trainwatch.watchdog.nvml import NvmlPoller
 
 NVLINK_DEVICE_TYPE_SWITCH = 2
@@ -79,9 +79,14 @@ def check_launch(args: argparse.Namespace) -> None:
 
     gpus, reason = read_gpus()
     ckpt = os.environ.get(env.CKPT_DIR)
+    # The port the job will use is the flag's, not only MASTER_PORT's; a
+    # multi-node job's --rdzv-endpoint is in use wherever another node hosts it.
+    single = doctor.parse_nnodes(args.nnodes) == 1
+    ports = port_options(getattr(args, "master_port", None), getattr(args, "master_addr", None),
+                         getattr(args, "rdzv_endpoint", None) if single else None)
     opts = Options(nproc_per_node=positive_int(args.nproc_per_node), nnodes=doctor.parse_nnodes(args.nnodes),
                    ckpt_dir=Path(ckpt) if ckpt and "\0" not in ckpt and not doctor.ckpt_dir_problem(Path(ckpt))
-                   else None)
+                   else None, **ports)
     checks = doctor.run_checks(doctor.real_host(gpus, reason), opts)
     for c in checks:
         if c.verdict in ("warn", "fail"):
