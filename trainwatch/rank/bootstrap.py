@@ -354,8 +354,10 @@ def user_traceback(e: BaseException) -> tuple[str, str | None]:
 
 def last_line(e: BaseException) -> str:
     """The exception's last line as Python prints it: 'ValueError: bad shape'."""
-    lines = [line for line in traceback.format_exception_only(type(e), e) if line.strip()]
-    return lines[-1].strip() if lines else type(e).__name__
+    lines = [line.strip() for line in "".join(traceback.format_exception_only(type(e), e)).splitlines()]
+    # A SyntaxError prints its source line first; a message of several lines goes on after it.
+    named = [line for line in lines if line.split(":", 1)[0].rpartition(".")[2] == type(e).__name__]
+    return named[-1] if named else type(e).__name__
 
 
 def report_failure(tw, e: BaseException, argv: list[str]) -> None:
