@@ -274,9 +274,11 @@ def test_a_job_ending_on_a_nan_loss_is_named(tmp_path, monkeypatch):
     job.update_job(start_time=0.0)
     table = np.zeros(2, dtype=slots.slot_dtype())
     table["pid"], table["rank"], table["step"], table["loss"] = [10, 11], [0, 1], [80, 80], [2.5, math.nan]
-    assert failures.nonfinite_end(job, table, 2) is None  # a NaN slot alone may be a loss never reported
+    assert failures.nonfinite_end(job, table, 2, "r1") is None  # a NaN slot alone may be a loss never reported
     job.append_event({"kind": "loss_nan", "id": "a", "time": "2026-01-01T00:00:00+00:00", "culprit_ranks": [1]})
-    assert failures.nonfinite_end(job, table, 2) == "rank 1's last reported loss is nan (step 80; loss_nan)"
+    assert failures.nonfinite_end(job, table, 2, "r1") == "rank 1's last reported loss is nan (step 80; loss_nan)"
     table["loss"][1] = 2.4
-    assert failures.nonfinite_end(job, table, 2) is None
+    assert failures.nonfinite_end(job, table, 2, "r1") is None
+    state.append_line(job.errors_file, json.dumps(_rec(type="NonFiniteEnd", rank=0, stepped=True, step=80)))
+    assert failures.nonfinite_end(job, table, 2, "r1").startswith("rank 0's last reported loss")
     assert os.environ["TRAINWATCH_HOME"] == str(tmp_path) and Path(tmp_path).is_dir()

@@ -28,6 +28,8 @@ from trainwatch.rank.slotwriter import SlotWriter
 
 log = logging.getLogger("trainwatch")
 
+NONFINITE_END = "NonFiniteEnd"
+"""The errors-file record of a rank whose last reported loss or grad norm was NaN/inf."""
 SAMPLE_INTERVAL_S = 0.2
 """Seconds between sampler rounds (heartbeat + flight recorder)."""
 
@@ -396,6 +398,10 @@ class Telemetry:
         if self._sampler is not None:
             self._sampler.join(timeout=2)
         self._set_phase(slots.PHASE_CODES["done"], "done", time.monotonic())
+        if self._step and self.nonfinite_step == self._step:
+            # Ends on a NaN/inf: the launcher does not call such a job a success (--nan-policy).
+            self.record_failure(NONFINITE_END, f"last reported loss {self._loss}, grad norm {self._grad_norm} "
+                                f"at step {self._step}", None)
 
 
 _monotonic = time.monotonic

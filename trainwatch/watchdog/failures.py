@@ -116,7 +116,7 @@ def deterministic(failures: list[RankFailure], generation: int) -> tuple[RankFai
     current = [f for f in failures if f.generation == generation]
     earlier = {(f.type, f.message, f.step) for f in failures if f.generation < generation}
     for f in current:
-        if f.transient:
+        if f.transient or f.type == NONFINITE_END:
             continue
         if not f.stepped:
             return f, "before its first step"
@@ -125,25 +125,30 @@ def deterministic(failures: list[RankFailure], generation: int) -> tuple[RankFai
     return None
 
 
-def nonfinite_end(job_dir: state.JobDir, table, nslots: int) -> str | None:
+NONFINITE_END = "NonFiniteEnd"
+"""A rank's record that its last reported loss or grad norm was NaN/inf (written as it exits)."""
+
+
+def nonfinite_end(job_dir: state.JobDir, table, nslots: int, run: str) -> str | None:
     """Why a job that exited 0 did not succeed: a rank whose last reported loss
-    is NaN/inf, as a loss_nan incident of this run said (a slot's NaN alone may
-    be a loss never reported). None when every last loss is finite."""
+    is NaN/inf, as the rank recorded on exit or a loss_nan incident of this run
+    said (a slot's NaN alone may be a loss never reported). None when every
+    last loss is finite."""
     bad = {int(table["rank"][i]): (float(table["loss"][i]), int(table["step"][i]))
            for i in range(nslots) if table["pid"][i] > 0 and table["step"][i] > 0
            and not math.isfinite(float(table["loss"][i]))}
-    if not bad:
-        return None
+    live = [int(table["restart"][i]) for i in range(nslots) if table["pid"][i] > 0]
+    last = max(live, default=0)  # an earlier worker generation's end does not count
+    named = {f.rank for f in read_failures(job_dir.errors_file, run) if f.type == NONFINITE_END
+             and f.generation == last}
     start = state.finite_number((job_dir.read_job() or {}).get("start_time")) or 0.0
-    named = set()
-    for incident in job_dir.incidents():
+    for incident in job_dir.incidents() if bad else ():
         if incident.get("kind") == "loss_nan" and _when(incident.get("time")) >= start:
-            named.update(r for r in incident.get("culprit_ranks") or [] if isinstance(r, int))
-    named &= set(bad)
+            named.update(r for r in incident.get("culprit_ranks") or [] if isinstance(r, int) and r in bad)
     if not named:
         return None
     rank = min(named)
-    loss, step = bad[rank]
+    loss, step = bad.get(rank, (math.nan, 0))
     return f"rank {rank}'s last reported loss is {loss} (step {step}; loss_nan)"
 
 

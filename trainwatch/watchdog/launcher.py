@@ -371,7 +371,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         state.remove_scrape_target(config.job, node)
         nonfinite = None
         if status == "succeeded" and config.nan_policy == "fail":
-            nonfinite = failures.nonfinite_end(job_dir, segment.read_table(), segment.nslots)
+            nonfinite = failures.nonfinite_end(job_dir, segment.read_table(), segment.nslots, run_id)
             if nonfinite:
                 status, code = "failed", 1
                 print(f"[trainwatch] job {config.job} failed: {nonfinite} (--nan-policy alert lets such a job "
