@@ -29,7 +29,7 @@ from trainwatch.rank.slotwriter import SlotWriter
 log = logging.getLogger("trainwatch")
 
 NONFINITE_END = "NonFiniteEnd"
-"""The errors-file record of a rank whose last reported loss or grad norm was NaN/inf."""
+"""The errors-file record of a rank whose last reported loss or grad norm was NaN/inf (watchdog.failures)."""
 SAMPLE_INTERVAL_S = 0.2
 """Seconds between sampler rounds (heartbeat + flight recorder)."""
 
@@ -113,6 +113,11 @@ class Telemetry:
     @property
     def current_step(self) -> int:
         return self._step
+
+    @property
+    def first_step(self) -> int:
+        """The first step this process finished (0: none yet)."""
+        return self._first
 
     def resume_at(self, step: int) -> None:
         """This process continues a run after `step` (a resumed trainer): until
@@ -295,27 +300,11 @@ class Telemetry:
             out["optimizer"] = optimizer.state_dict()
         return out
 
-    # ---- why this rank failed (read by the agent before it restarts) ---------------
-
     def record_failure(self, type_name: str, message: str, where: str | None) -> None:
-        """Say why this rank is about to exit: the exception's type, its message's
-        last line, the user's file:line and the step, one line in the job's
-        errors file. The agent does not restart what a restart cannot fix."""
-        job, home = os.environ.get(env.JOB), os.environ.get(env.HOME)
-        if not job or not home or not self.attached:
-            return
-        import json
-        from pathlib import Path
+        """Say why this rank is about to exit (trainwatch.rank.failure)."""
+        from trainwatch.rank.failure import record_failure
 
-        from trainwatch import state
-
-        line = json.dumps({"run": os.environ.get(env.RUN, ""), "generation": self.restart, "rank": self.rank,
-                           "step": self._step, "stepped": self._first != 0, "type": type_name[:200],
-                           "message": message[:1000], "where": (where or "")[:500], "time": time.time()})
-        try:
-            state.append_line(state.JobDir(job, root=Path(home)).errors_file, line)
-        except (OSError, state.StateError):
-            pass
+        record_failure(self, type_name, message, where)
 
     # ---- fault-injection points (no-ops unless `--inject` armed this rank) ------
 
