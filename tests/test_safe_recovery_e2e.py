@@ -100,10 +100,21 @@ def assert_not_restarted(r, job, home, *needles):
     assert job_json(home, job)["restarts"] == 0
 
 
-def test_a_missing_module_is_not_restarted(tmp_path):
-    job = name("nomod")
-    r = trainwatch(tmp_path, "launch", "--nproc-per-node", "2", "--job", job, "-m", "no_such_module", timeout=300)
-    assert_not_restarted(r, job, tmp_path, "ImportError: No module named no_such_module", "before its first step")
+def test_a_missing_module_is_one_line_before_any_rank_starts(tmp_path):
+    r = trainwatch(tmp_path, "launch", "--nproc-per-node", "2", "--job", name("nomod"), "-m", "no_such_module",
+                   timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: -m no_such_module: No module named 'no_such_module'; install "
+                                             "it, or check the name and the working directory"], r.stderr
+
+
+def test_a_missing_import_in_the_script_is_not_restarted(tmp_path):
+    script = tmp_path / "needs_dep.py"
+    script.write_text("import torch\nimport no_such_module\n")
+    job = name("nodep")
+    r = trainwatch(tmp_path, "launch", "--nproc-per-node", "2", "--job", job, str(script), timeout=300)
+    assert_not_restarted(r, job, tmp_path, f"({script}:2): ModuleNotFoundError: No module named 'no_such_module'",
+                         "before its first step")
 
 
 def test_an_exception_at_step_0_is_not_restarted(tmp_path):

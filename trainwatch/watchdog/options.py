@@ -186,6 +186,8 @@ def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Nam
     preempt = parse_preempt_signals(args.preempt_signals)
     if not (0 < args.preempt_grace_s < 1e6):
         raise LaunchError(f"--preempt-grace-s must be a positive number of seconds; got {args.preempt_grace_s}")
+    if not args.no_python:
+        check_entry(args.training_script, module=bool(args.module))
     if args.module and args.training_script == DEFAULT_MODULE:
         check_trainer_args(job, args.training_script_args)
     return args, LaunchConfig(job=job, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
@@ -248,6 +250,33 @@ def _world_size(args: argparse.Namespace) -> int | None:
         return int(args.nproc_per_node) * high if low == high else None
     except (ValueError, RuntimeError, TypeError):
         return None
+
+
+def check_entry(target: str, *, module: bool) -> None:
+    """A module that cannot be found or a script that does not compile fails
+    every rank on every attempt: say it before anything starts."""
+    if module:
+        import importlib.util
+
+        top = target.split(".")[0]
+        sys.path.insert(0, os.getcwd())  # `python -m` looks in the working directory first
+        try:
+            found = importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise LaunchError(f"-m {target}: No module named {top!r}; install it, or check the name and the "
+                              "working directory")
+        return
+    try:
+        source = Path(target).read_bytes()
+        compile(source, target, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise LaunchError(f"{target}:{e.lineno}: SyntaxError: {e.msg}; fix the script") from None
+    except (OSError, ValueError):
+        return  # the ranks report what they cannot read
 
 
 def check_trainer_args(job: str, argv: list[str]) -> None:
