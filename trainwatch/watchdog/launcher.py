@@ -367,7 +367,9 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
             pass
         sidecar.stop()
         if agent.zygote is not None:
-            agent.zygote.close()
+            # Idle, holding nothing: its interpreter's own teardown (a second with
+            # torch imported) need not delay the job's exit.
+            agent.zygote.close(timeout_s=0.3)
         state.remove_scrape_target(config.job, node)
         nonfinite = None
         if status == "succeeded" and config.nan_policy == "fail":
