@@ -212,3 +212,65 @@ def test_sigterm_to_a_script_without_state_says_what_was_not_saved(tmp_path):
                       stepping)
     assert rc == 75, out[-4000:]
     assert "nothing was saved: the script registers no state" in out, out[-3000:]
+
+
+def test_a_node_that_rejoins_gets_its_peers_state(tmp_path):
+    """--nnodes 1:2 on loopback, node-local checkpoints: node 1 is killed, node 0
+    trains on alone; node 1 starts again with an empty --ckpt-dir, the job
+    re-forms with 4 ranks, node 1 receives the agreed step from a rank of node 0."""
+    import os
+    import subprocess
+
+    from util import BIN, ROOT, env_for, reap
+
+    from trainwatch import netbind
+
+    job, port = name("rejoin"), netbind.free_port()
+    homes = [tmp_path / "home0", tmp_path / "home1"]
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-again.log"]
+    procs: list[subprocess.Popen] = []
+
+    def start_node(i: int, log) -> subprocess.Popen:
+        homes[i].mkdir(exist_ok=True)
+        cmd = [str(BIN / "trainwatch"), "launch", "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, "--job", job, "--node-name", f"n{i}",
+               "--rdzv-conf", "last_call_timeout=3", "--max-restarts", "5", *TINY, "--max-steps", "400",
+               "--ckpt-interval", "20"]
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, env=env_for(homes[i]), stdout=f, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                    start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    def text(path) -> str:
+        return path.read_text(errors="replace")
+
+    try:
+        node0 = start_node(0, logs[0])
+        wait_for(lambda: netbind.is_listening("127.0.0.1", port), 120, what="node 0's rendezvous store")
+        node1 = start_node(1, logs[1])
+        wait_for(lambda: "world 4" in text(logs[0]) and "step 40/" in text(logs[0]), 300,
+                 what="both nodes training")
+        os.killpg(node1.pid, signal.SIGKILL)
+        node1.wait()
+        wait_for(lambda: re.search(r"world 2 .*\n(.*\n)*step \d+/", text(logs[0])), 300, what="node 0 alone")
+        # Node 1 comes back with nothing on disk: its checkpoints are gone with the old machine.
+        import shutil
+
+        shutil.rmtree(homes[1])
+        again = start_node(1, logs[2])
+        codes = [node0.wait(timeout=600), again.wait(timeout=120)]
+        assert codes == [0, 0], text(logs[0])[-3000:] + text(logs[2])[-3000:]
+        out0, out1 = text(logs[0]), text(logs[2])
+        assert out0.count("world 4") >= 2, out0[-3000:]
+        received = re.findall(r"node n1: rank (\d) had no checkpoint of step (\d+) .*received it from rank (\d)", out1)
+        assert {r for r, _, _ in received} == {"2", "3"} and {src for _, _, src in received} <= {"0", "1"}, out1[-3000:]
+        assert "have no checkpoint of a step" not in out0 + out1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for home in homes:
+            if home.exists():
+                reap(home)
