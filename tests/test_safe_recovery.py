@@ -235,6 +235,14 @@ def test_a_fault_that_fired_is_not_armed_again_but_a_data_fault_replays_on_its_w
     assert len(first.faults) == 3  # the first start arms everything
 
 
+@HOSTILE
+@given(raw=st.binary(max_size=300))
+def test_a_faults_file_of_any_bytes_reads_as_fired_faults_or_nothing(tmp_path, raw):
+    path = tmp_path / "faults.jsonl"
+    path.write_bytes(raw)
+    assert all(isinstance(k, tuple) and len(k) == 3 for k in fired_before(1, path))
+
+
 def test_fired_before_reads_this_runs_faults_file(tmp_path):
     path = tmp_path / "faults.jsonl"
     path.write_text(json.dumps({"kind": "crash", "params": {}, "rank": 1, "step": 41, "planned": 40}) + "\n"
