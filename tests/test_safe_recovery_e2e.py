@@ -199,6 +199,48 @@ def test_sigterm_checkpoints_the_integrated_trainer_and_the_next_launch_resumes_
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
 
+REGISTERED = """
+import os, sys, time
+import torch, torch.distributed as dist
+import trainwatch
+
+dist.init_process_group("gloo")
+tw = trainwatch.init()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+tw.register_state(model, opt, checkpoint_dir=sys.argv[1])
+for step in range(1, 100000):
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    tw.step(loss=loss.item(), step=step)
+    time.sleep(0.05)
+"""
+
+
+def test_sigterm_checkpoints_a_script_with_registered_state(tmp_path):
+    script, ckpt = tmp_path / "registered.py", tmp_path / "ckpt"
+    script.write_text(REGISTERED)
+
+    def stepping(home, job, proc, lines) -> bool:
+        from trainwatch import state
+
+        rows = (state.JobDir(job, root=home).telemetry() or {}).get("ranks") or []
+        return len(rows) == 2 and all((r.get("step") or 0) >= 5 for r in rows)
+
+    rc, out = preempt(tmp_path, name("reg"), [str(script), str(ckpt)], stepping)
+    assert rc == 75, out[-4000:]
+    written = re.search(r"preemption: emergency checkpoint of step (\d+) by 2 of 2 rank\(s\)", out)
+    assert written, out[-3000:]
+    from trainwatch.checkpoint import valid_checkpoints
+
+    found = list(valid_checkpoints(ckpt))
+    assert len(found) == 2 and {i.kind for i in found} == {"emergency"}, found  # one per rank
+    assert max(i.step for i in found) == int(written.group(1)) and min(i.step for i in found) >= 5
+
+
 def test_sigterm_to_a_script_without_state_says_what_was_not_saved(tmp_path):
     job = name("nostate")
 
