@@ -35,6 +35,16 @@ is the rank monitor's "Did not get ... heartbeat" log line (it SIGKILLs the
 rank right after); its culprit is named when only the hung rank's monitor
 timed out. One JSON line per tool per run.
 
+--fail-fast: errors a restart cannot fix, side by side with plain torchrun
+(--standalone, the same script, interleaved, --repeat N): a missing module
+(-m no_such_module), a script raising ValueError after init_process_group,
+and a --master-port that is already in use. One JSON line per case: seconds
+to exit for each tool, the ratio trainwatch/torchrun (goal <= 1.2), and
+trainwatch's restarts (goal 0). Then the preemption row: SIGTERM to the
+launcher of the integrated trainer (2 ranks) once it trained 20 steps;
+checkpoint_s is the emergency checkpoint of every rank, exit_s SIGTERM to exit,
+next to the same stop with --preempt-signals none.
+
 Every run has its own TRAINWATCH_HOME (or scratch dir, TMPDIR for ft_launcher's
 sockets) and job name; nothing of a run (process, slot segment) outlives it.
 Progress goes to stderr; the LAST stdout line is one JSON object (trainwatch's).
@@ -406,6 +416,103 @@ def script_mode(args) -> None:
     print(json.dumps(summary))
 
 
+FAIL_CASES = ("no_such_module", "valueerror_step0", "busy_master_port")
+
+
+def _timed(cmd: list[str], home: Path, timeout: float) -> tuple[float, int, str]:
+    """Seconds from start to exit of `cmd`, its exit code and output; nothing of it is left."""
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env={**os.environ, "TRAINWATCH_HOME": str(home), "OMP_NUM_THREADS": "1",
+                                      "PYTHONUNBUFFERED": "1"}, cwd=str(home), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = finish(proc, timeout)
+    seconds = round(time.monotonic() - t0, 2)
+    reap(proc)
+    return seconds, proc.returncode, out
+
+
+def fail_fast(args) -> None:
+    import socket
+    import sys
+
+    work = Path(tempfile.mkdtemp(prefix="trainwatch-bench-failfast-"))
+    bad = work / "bad_config.py"
+    bad.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                   "raise ValueError('width 5 is not divisible by 2')\n")
+    busy = socket.socket()
+    busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    busy.bind(("0.0.0.0", 0))
+    busy.listen()
+    port = str(busy.getsockname()[1])
+    entry = {"no_such_module": ["-m", "no_such_module"], "valueerror_step0": [str(bad)],
+             "busy_master_port": ["--master-port", port, str(bad)]}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    try:
+        for case in FAIL_CASES:
+            rows: dict[str, list] = {"trainwatch": [], "torchrun": []}
+            restarts = []
+            for i in range(args.repeat):
+                home = new_home("failfast")
+                job = uid(case.replace("_", "-"))
+                s_tw, rc_tw, out = _timed([str(Path(sys.executable).parent / "trainwatch"), "launch",
+                                           "--nproc-per-node", "2", "--job", job, *entry[case]], home, args.timeout)
+                restarts.append((job_json(home, job) or {}).get("restarts"))
+                rows["trainwatch"].append((s_tw, rc_tw))
+                standalone = [] if case == "busy_master_port" else ["--standalone"]
+                s_tr, rc_tr, _ = _timed([*torchrun, *standalone, *entry[case]], home, args.timeout)
+                rows["torchrun"].append((s_tr, rc_tr))
+                log(f"{case} #{i + 1}: trainwatch {s_tw}s (exit {rc_tw}), torchrun {s_tr}s (exit {rc_tr})")
+                shutil.rmtree(home, ignore_errors=True)
+            tw_s = sorted(s for s, _ in rows["trainwatch"])[len(rows["trainwatch"]) // 2]
+            tr_s = sorted(s for s, _ in rows["torchrun"])[len(rows["torchrun"]) // 2]
+            print(json.dumps({"case": case, "trainwatch_exit_s": tw_s, "torchrun_exit_s": tr_s,
+                              "ratio": round(tw_s / tr_s, 2) if tr_s else None, "goal_ratio": 1.2,
+                              "trainwatch_restarts": restarts, "exit_codes": {k: [c for _, c in v]
+                                                                              for k, v in rows.items()}}),
+                  flush=True)
+    finally:
+        busy.close()
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(preempt_row(args)), flush=True)
+
+
+def preempt_row(args) -> dict:
+    """SIGTERM to the launcher of the integrated trainer at step ~20: seconds to
+    the checkpoint of every rank and to exit, against the same stop without it."""
+    import signal
+    import time
+
+    out: dict = {"case": "preempt_sigterm"}
+    for label, extra in (("checkpoint", []), ("no_checkpoint", ["--preempt-signals", "none"])):
+        home = new_home("preempt")
+        job = uid("preempt")
+        proc = launch(home, "--nproc-per-node", "2", "--job", job, *extra, "-m", "trainwatch.trainer",
+                      "--model-size", "tiny", "--max-steps", "100000", "--log-interval", "20")
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "step 20/" in line:
+                break
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        text = finish(proc, args.timeout)
+        exit_s = round(time.monotonic() - t0, 2)
+        rec = job_json(home, job) or {}
+        if label == "checkpoint":
+            ck = (rec.get("preempted") or {}).get("checkpoint") or {}
+            out.update(checkpoint_s=ck.get("seconds"), step=ck.get("step"), ranks_written=len(ck.get("written") or {}),
+                       exit_s=exit_s, exit_code=proc.returncode)
+            log(text[-600:])
+        else:
+            out.update(exit_s_without=exit_s, exit_code_without=proc.returncode)
+        reap(proc, home, job)
+        shutil.rmtree(home, ignore_errors=True)
+    out["exit_ratio"] = round(out["exit_s"] / out["exit_s_without"], 2) if out.get("exit_s_without") else None
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=4)
@@ -422,7 +529,12 @@ def main() -> None:
                    help="venv with nvidia-resiliency-ext (default $TRAINWATCH_NVRX_VENV or /tmp/scratch/venv-nvrx)")
     p.add_argument("--repeat", type=int, default=1, help="--script: hung runs per tool (interleaved)")
     p.add_argument("--timeout", type=float, default=RUN_TIMEOUT, help="seconds one run may take before it is killed")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="deterministic errors vs torchrun (time to exit) and the preemption checkpoint row")
     args = p.parse_args()
+    if args.fail_fast:
+        fail_fast(args)
+        return
     if args.compare and args.script is None:
         args.script = str(DEFAULT_SCRIPT)
     if args.rank is None:

@@ -14,8 +14,8 @@ PKG = ROOT / "trainwatch"
 
 # What each part may import (besides itself); see docs/architecture.md.
 BASE = {"trainwatch.slots", "trainwatch.env", "trainwatch.flags", "trainwatch.usage", "trainwatch.historyfile",
-        "trainwatch.checkpoint", "trainwatch.diagnostics", "trainwatch.procctl", "trainwatch.netbind",
-        "trainwatch.kinds", "trainwatch.records"}
+        "trainwatch.checkpoint", "trainwatch.finite", "trainwatch.diagnostics", "trainwatch.procctl",
+        "trainwatch.netbind", "trainwatch.kinds", "trainwatch.records"}
 LEVEL2 = BASE | {"trainwatch.rankrow", "trainwatch.state", "trainwatch.capture", "trainwatch.liveness",
                  "trainwatch.jobstore", "trainwatch"}
 ALLOWED = {
@@ -27,7 +27,8 @@ ALLOWED = {
     "trainwatch.flags": set(),
     "trainwatch.usage": set(),
     "trainwatch.historyfile": set(),
-    "trainwatch.checkpoint": set(),
+    "trainwatch.finite": set(),
+    "trainwatch.checkpoint": {"trainwatch.finite"},
     "trainwatch.procctl": set(),
     "trainwatch.netbind": set(),
     "trainwatch.jobstore": set(),

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from trainwatch.finite import NonFiniteState, nonfinite_problem
+
 FORMAT = 1
 KINDS = ("periodic", "emergency")
 MANIFEST = "manifest.json"
@@ -127,6 +129,7 @@ def save_checkpoint(
     rank: int = 0,
     world_size: int = 1,
     fault_point: Callable[[], None] | None = None,
+    allow_nonfinite: bool = False,
 ) -> Path:
     """Write state atomically as checkpoint `step`; return the final directory.
 
@@ -138,6 +141,7 @@ def save_checkpoint(
     (where a fault injector hangs or kills a rank mid-write).
     state holds tensors, dicts, lists, numbers and strings only, so it loads
     with torch.load(weights_only=True).
+    NaN/inf in a tensor: not written (NonFiniteState) unless allow_nonfinite.
     """
     import torch
 
@@ -148,12 +152,14 @@ def save_checkpoint(
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1 or None; got {keep}")
     root = Path(ckpt_dir)
+    final = root / checkpoint_name(step, kind=kind, rank=rank)
+    if not allow_nonfinite and (problem := nonfinite_problem(state)):
+        raise NonFiniteState(f"checkpoint {final.name} not written: {problem}; earlier checkpoints are kept")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"--ckpt-dir must be a writable directory; got {root} ({e.strerror or e})") from None
     remove_stale_temp(root)
-    final = root / checkpoint_name(step, kind=kind, rank=rank)
     # Kind and rank in the temp name: an emergency save may run on a background
     # thread while the training thread writes a periodic one for the same step.
     tmp = root / f".tmp-{final.name}-{os.getpid()}"

@@ -33,6 +33,10 @@ CKPT_DIR = "TRAINWATCH_CKPT_DIR"
 """Default checkpoint directory of the integrated trainer (periodic and emergency
 checkpoints): jobs/<job>/checkpoints unless the user set it."""
 
+NAN_POLICY = "TRAINWATCH_NAN_POLICY"
+"""`launch --nan-policy`: 'fail' (default: a run whose loss goes NaN/inf stops, rolls back
+and never ends as succeeded) or 'alert' (trains on; incidents only)."""
+
 TARGETS_DIR = "TRAINWATCH_TARGETS_DIR"
 """Where `launch` lists its exporter for Prometheus file_sd (default $TRAINWATCH_HOME/targets)."""
 

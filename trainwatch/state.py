@@ -204,6 +204,7 @@ class JobDir:
         self.restart_timing_file = self.control_dir / "restart-timing.json"
         self.sidecar_config_file = self.control_dir / "sidecar-config.json"
         self.faults_file = self.control_dir / "faults.jsonl"
+        self.errors_file = self.control_dir / "errors.jsonl"
 
     def history_file(self, node: str) -> Path:
         """One history file per node; a hostname never escapes the directory."""
@@ -239,7 +240,7 @@ class JobDir:
         restart requests and timings, fired faults, the sidecar's record) go, so
         nothing of theirs is ever replayed as this run's."""
         for path in (self.exits_file, self.restart_request_file, self.restart_timing_file, self.faults_file,
-                     self.sidecar_file):
+                     self.errors_file, self.sidecar_file):
             try:
                 path.unlink()
             except FileNotFoundError:

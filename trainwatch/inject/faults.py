@@ -20,6 +20,14 @@ from their step on, each with the real mechanism:
   step) before backward: a steadily rising curve, not a spike.
 - `slow_step:where=data|backward|optimizer,delay=S,every=N`: a sleep of S seconds
   inside that phase, once (every=0) or every N steps.
+
+After a restart, faults keep their meaning: one that has not fired yet fires
+at its step when the new run reaches it; one that already fired does not fire
+again (a crash replayed at the same step would only spend the restart
+budget), and the rank says so. `nan` and `spike` stand for a bad batch, so
+they follow the data: replaying the same data window replays them, and a run
+that skips that window (the trainer's `--nan-skip-batches`) never meets them
+again.
 """
 
 from __future__ import annotations
@@ -52,35 +60,85 @@ _POINTS = {
 }
 
 
+DATA_KINDS = frozenset({"nan", "spike"})
+"""Faults that stand for a bad batch: they fire again whenever their data window is trained again."""
+
+
+def _faults_file() -> Path | None:
+    job, home = os.environ.get(env.JOB), os.environ.get(env.HOME)
+    if not job or not home:
+        return None
+    try:
+        return state.JobDir(job, root=Path(home)).faults_file
+    except state.StateError:
+        return None
+
+
 def mark_fired(f: FaultSpec, rank: int, step: int) -> None:
     """Record when a fault really began (for detection and recovery latency):
     one line in the job's faults file, CLOCK_MONOTONIC and wall time."""
-    job, home = os.environ.get(env.JOB), os.environ.get(env.HOME)
-    if not job or not home:
+    path = _faults_file()
+    if path is None:
         return
-    line = json.dumps({"kind": f.kind, "params": f.params, "rank": rank, "step": step,
+    line = json.dumps({"kind": f.kind, "params": f.params, "rank": rank, "step": step, "planned": f.step,
                        "mono": time.monotonic(), "wall": time.time()})
     try:
-        state.append_line(state.JobDir(job, root=Path(home)).faults_file, line)
+        state.append_line(path, line)
     except (OSError, state.StateError):
         pass
+
+
+def fired_before(rank: int, path: Path | None = None) -> set[tuple]:
+    """(kind, params, planned step) of every fault this rank fired in this run so far
+    (earlier worker generations). Lines that do not parse are skipped."""
+    path = path or _faults_file()
+    out: set[tuple] = set()
+    if path is None:
+        return out
+    try:
+        text = path.read_bytes()[: 4 << 20].decode("utf-8", "replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+            if isinstance(rec, dict) and rec.get("rank") == rank and isinstance(rec.get("params"), dict):
+                out.add((str(rec.get("kind")), json.dumps(rec["params"], sort_keys=True), rec.get("planned")))
+        except (ValueError, RecursionError, TypeError):
+            continue
+    return out
+
+
+def _key(f: FaultSpec) -> tuple:
+    return (f.kind, json.dumps(f.params, sort_keys=True), f.step)
 
 
 class Armed(FaultHooks):
     """The faults armed in one rank; fired at the fault points the rank calls."""
 
-    def __init__(self, faults: list[FaultSpec]):
+    def __init__(self, faults: list[FaultSpec], replay: set[int] | None = None):
         self.faults = faults
         self.fired: set[int] = set()
+        self.replay = replay or set()
+        """Data faults that fired in an earlier worker generation: they fire only on their own data window."""
         self._slow_at: dict[int, int] = {}
 
     @staticmethod
     def _running(tw: Any) -> int:
         return tw.current_step + 1  # current_step is the last completed step
 
+    @staticmethod
+    def _window(tw: Any) -> int:
+        """The data window the running step trains on (a trainer that skipped
+        batches after a non-finite loss sets tw.data_offset)."""
+        return tw.current_step + 1 + getattr(tw, "data_offset", 0)
+
     def _due(self, tw: Any, i: int, f: FaultSpec, persistent: bool = False) -> bool:
         if persistent:
             return self._running(tw) >= f.step
+        if f.kind in DATA_KINDS:
+            window = self._window(tw)
+            return i not in self.fired and (window == f.step if i in self.replay else window >= f.step)
         return i not in self.fired and self._running(tw) >= f.step
 
     def _ongoing(self, tw: Any, i: int, f: FaultSpec) -> bool:
@@ -123,7 +181,11 @@ class Armed(FaultHooks):
         return any(f.kind == kind and (where is None or f.params.get("where") == where) for f in self.faults)
 
     def unfired(self) -> list[FaultSpec]:
-        return [f for i, f in enumerate(self.faults) if i not in self.fired]
+        return [f for i, f in enumerate(self.faults) if i not in self.fired and i not in self.replay]
+
+    def not_replayed(self) -> list[FaultSpec]:
+        """Data faults of an earlier generation whose window this run did not train again."""
+        return [f for i, f in enumerate(self.faults) if i not in self.fired and i in self.replay]
 
     def skip_collective(self, tw: Any) -> bool:
         for i, f in enumerate(self.faults):
@@ -187,15 +249,35 @@ class Armed(FaultHooks):
         return loss
 
 
-def armed_faults(encoded: str | None, rank: int) -> FaultHooks:
+def armed_faults(encoded: str | None, rank: int, restart: int = 0, *, fired: set[tuple] | None = None,
+                 say: Any = None) -> FaultHooks:
     """The hooks for this rank from TRAINWATCH_INJECT: its faults, or none.
-    Hardware faults (xid, ecc) are the sidecar's, not the rank's."""
+    Hardware faults (xid, ecc) are the sidecar's, not the rank's. In a restarted
+    worker group (restart > 0) a fault that already fired is not armed again
+    (said on the console), except data faults, which replay on their window."""
+    say = say or (lambda msg: print(msg, flush=True))
     try:
         faults = [f for f in decode(encoded) if f.rank == rank and f.kind not in HARDWARE_KINDS]
     except (ValueError, TypeError) as e:
-        print(f"[trainwatch] rank {rank}: ignoring {env.INJECT} ({e})", flush=True)
+        say(f"[trainwatch] rank {rank}: ignoring {env.INJECT} ({e})")
         return NO_FAULTS
-    return Armed(faults) if faults else NO_FAULTS
+    replay: set[int] = set()
+    if restart > 0 and faults:
+        done = fired_before(rank) if fired is None else fired
+        kept = []
+        for f in faults:
+            if _key(f) not in done:
+                kept.append(f)
+            elif f.kind in DATA_KINDS:
+                replay.add(len(kept))
+                kept.append(f)
+                say(f"[trainwatch] rank {rank}: injected fault {f.kind} (step {f.step}) fired before restart "
+                    f"{restart}; it fires again if this run trains the same data window")
+            else:
+                say(f"[trainwatch] rank {rank}: injected fault {f.kind} (step {f.step}) already fired before "
+                    f"restart {restart}; not armed again")
+        faults = kept
+    return Armed(faults, replay) if faults else NO_FAULTS
 
 
 # ---- the faults -------------------------------------------------------------------

@@ -43,5 +43,9 @@ class FaultHooks:
         """Armed faults that have not fired yet (said at exit, never dropped silently)."""
         return []
 
+    def not_replayed(self) -> list:
+        """Data faults of an earlier worker generation whose data window this run did not train again."""
+        return []
+
 
 NO_FAULTS = FaultHooks()

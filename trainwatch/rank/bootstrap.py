@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 import weakref
 
 import trainwatch
@@ -294,6 +295,10 @@ def _warn_unfired(tw) -> None:
               f"the script never reached its trigger point (fault points are DataLoader batches, backward, "
               f"optimizer steps, dist.all_reduce calls, DDP gradient all-reduces and, for scale_collapse, "
               f"a GradScaler)", file=sys.stderr, flush=True)
+    for f in tw.faults.not_replayed():
+        print(f"[trainwatch] rank {tw.rank}: injected fault {f.kind} (step {f.step}) fired before the restart and "
+              f"was not replayed: this run did not train that data window again (skipped after the non-finite "
+              f"loss, or resumed past it)", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -320,8 +325,51 @@ def main(argv: list[str] | None = None) -> None:
         if e.code in (None, 0):
             _warn_unfired(tw)
         raise
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # the user's program failed: say it as Python would, from its own frames
+        report_failure(tw, e, argv)
+        sys.exit(1)  # what `python script.py` exits with on an uncaught exception
     else:
         _warn_unfired(tw)
+
+
+_OWN_FILES = (os.path.abspath(__file__), os.path.abspath(runpy.__file__))
+
+
+def user_traceback(e: BaseException) -> tuple[str, str | None]:
+    """(the traceback as Python prints it, without this bootstrap's and runpy's
+    frames on top; the user's file:line it came from, or None)."""
+    te = traceback.TracebackException.from_exception(e)
+    frames = [f for f in te.stack if os.path.abspath(f.filename) not in _OWN_FILES
+              and "<frozen runpy>" not in f.filename]
+    te.stack = traceback.StackSummary.from_list(frames)
+    where = None
+    if isinstance(e, SyntaxError) and e.filename:
+        where = f"{e.filename}:{e.lineno}"
+    elif frames:
+        where = f"{frames[-1].filename}:{frames[-1].lineno}"
+    return "".join(te.format()), where
+
+
+def last_line(e: BaseException) -> str:
+    """The exception's last line as Python prints it: 'ValueError: bad shape'."""
+    lines = [line.strip() for line in "".join(traceback.format_exception_only(type(e), e)).splitlines()]
+    # A SyntaxError prints its source line first; a message of several lines goes on after it.
+    named = [line for line in lines if line.split(":", 1)[0].rpartition(".")[2] == type(e).__name__]
+    return named[-1] if named else type(e).__name__
+
+
+def report_failure(tw, e: BaseException, argv: list[str]) -> None:
+    """Print the user's traceback (the rank's log keeps it whole) and record the
+    failure for the agent, which decides whether a restart can fix it."""
+    text, where = user_traceback(e)
+    if isinstance(e, ImportError) and argv[:1] == ["-m"] and where is None:
+        text = f"{sys.executable}: {e}\n"  # runpy could not find the module: as `python -m` says it
+    print(text, end="", file=sys.stderr, flush=True)
+    line = last_line(e)
+    message = line.split(": ", 1)[1] if ": " in line else ""
+    tw.record_failure(type(e).__name__, message, where)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@ so the copy overlaps the next step). The rank's background thread watches the
 slot's control region; when the sidecar asks, it writes the newest complete
 buffer with the same atomic format as periodic checkpoints. No collective is
 involved, so a rank whose main thread is stuck in one can still save.
+
+Non-finite state is never saved: a step whose reported loss or grad norm is
+NaN/inf is not staged (the buffers keep the last good step), and a buffer is
+checked for NaN/inf before it is written; when the newest one holds them
+(weights poisoned by a step whose own loss was still finite), the older one
+is written instead, or nothing.
 """
 
 from __future__ import annotations
@@ -76,12 +82,16 @@ class EmergencyCheckpointer:
         self._done_request = 0
         self._stream = None
         self.last_written: str | None = None
+        self.refused_step = -1
+        """The step of a staged state not written because it held NaN/inf (-1: none)."""
         self._written_step = -1
         self._write_lock = threading.Lock()
 
     # ---- training thread ------------------------------------------------------------
 
     def stage(self, step: int) -> None:
+        if self.tw.nonfinite_step == step:
+            return  # this step's loss or grad norm is NaN/inf: keep the last good state
         with self._lock:
             target = 1 - self._current if self._current >= 0 else 0
             if target == self._pinned:
@@ -119,7 +129,9 @@ class EmergencyCheckpointer:
         self._done_request = request
         writer.write_checkpoint_status(request, slots.CKPT_WRITING, self.staged_step)
         ok = self.write("requested by the watchdog") is not None
-        writer.write_checkpoint_status(request, slots.CKPT_OK if ok else slots.CKPT_FAILED, self.staged_step)
+        # The step written, not the one staged since (the training thread goes on meanwhile).
+        writer.write_checkpoint_status(request, slots.CKPT_OK if ok else slots.CKPT_FAILED,
+                                       self._written_step if ok else self.staged_step)
 
     @property
     def staged_step(self) -> int:
@@ -136,6 +148,7 @@ class EmergencyCheckpointer:
 
     def _write(self, reason: str) -> str | None:
         from trainwatch.checkpoint import save_checkpoint
+        from trainwatch.finite import nonfinite_tensors
 
         with self._lock:
             index = self._current
@@ -146,6 +159,24 @@ class EmergencyCheckpointer:
                 return None
             if self._events[index] is not None:
                 self._events[index].synchronize()
+            bad = nonfinite_tensors(self._buffers[index])
+            if bad:
+                older = 1 - index
+                with self._lock:
+                    self._pinned = older  # the training thread stages into neither while we look
+                usable = 0 <= self._steps[older] < self._steps[index] and self._buffers[older] is not None
+                if usable and self._events[older] is not None:
+                    self._events[older].synchronize()
+                if not usable or nonfinite_tensors(self._buffers[older]):
+                    self.refused_step = self._steps[index]
+                    print(f"[trainwatch] rank {self.tw.rank}: emergency checkpoint not written: the staged state "
+                          f"of step {self._steps[index]} holds NaN/inf ({', '.join(bad)}) and no earlier finite "
+                          "state is staged; a restart resumes from the newest finite checkpoint on disk",
+                          flush=True)
+                    return None
+                print(f"[trainwatch] rank {self.tw.rank}: the staged state of step {self._steps[index]} holds "
+                      f"NaN/inf ({', '.join(bad)}); saving step {self._steps[older]} instead", flush=True)
+                index = older
             step = self._steps[index]
             t0 = time.monotonic()
             path = save_checkpoint(

@@ -28,6 +28,8 @@ from trainwatch.rank.slotwriter import SlotWriter
 
 log = logging.getLogger("trainwatch")
 
+NONFINITE_END = "NonFiniteEnd"
+"""The errors-file record of a rank whose last reported loss or grad norm was NaN/inf (watchdog.failures)."""
 SAMPLE_INTERVAL_S = 0.2
 """Seconds between sampler rounds (heartbeat + flight recorder)."""
 
@@ -76,6 +78,10 @@ class Telemetry:
         """...on process groups spanning every rank: what all ranks must agree on."""
         self.last_py_op = ""
         self._explicit = False
+        self.nonfinite_step = 0
+        """The last step whose reported loss or grad norm was NaN/inf (0: none): its state is not staged."""
+        self.data_offset = 0
+        """Batches a trainer skipped (after a non-finite loss): step s trains on data window s + data_offset."""
         self._source = slots.STEP_COUNTED
         self._first = 0
         self._seq_fn: Callable[[], int] | None = None
@@ -107,6 +113,17 @@ class Telemetry:
     @property
     def current_step(self) -> int:
         return self._step
+
+    @property
+    def first_step(self) -> int:
+        """The first step this process finished (0: none yet)."""
+        return self._first
+
+    def resume_at(self, step: int) -> None:
+        """This process continues a run after `step` (a resumed trainer): until
+        its first step, faults and failure records count from there."""
+        if not self._first:
+            self._step = step
 
     def step(self, loss: Any = None, grad_norm: Any = None, *, step: int | None = None, compute_s: float | None = None,
              lr: Any = None, loss_scale: Any = None, zero_grad_frac: Any = None) -> None:
@@ -148,9 +165,13 @@ class Telemetry:
         step_s = now - self._last
         self._last = now
         if loss is not None:
-            self._loss = loss if loss.__class__ is float else float(loss)
+            self._loss = v = loss if loss.__class__ is float else float(loss)
+            if v - v != 0.0:  # NaN or inf (inf - inf is NaN)
+                self.nonfinite_step = n
         if grad_norm is not None:
-            self._grad_norm = grad_norm if grad_norm.__class__ is float else float(grad_norm)
+            self._grad_norm = v = grad_norm if grad_norm.__class__ is float else float(grad_norm)
+            if v - v != 0.0:
+                self.nonfinite_step = n
         self._step_s = step_s
         if compute_s is not None:
             self._compute_s = compute_s
@@ -285,6 +306,12 @@ class Telemetry:
             out["optimizer"] = optimizer.state_dict()
         return out
 
+    def record_failure(self, type_name: str, message: str, where: str | None) -> None:
+        """Say why this rank is about to exit (trainwatch.rank.failure)."""
+        from trainwatch.rank.failure import record_failure
+
+        record_failure(self, type_name, message, where)
+
     # ---- fault-injection points (no-ops unless `--inject` armed this rank) ------
 
     def fault_point(self, where: str) -> None:
@@ -366,6 +393,10 @@ class Telemetry:
         if self._sampler is not None:
             self._sampler.join(timeout=2)
         self._set_phase(slots.PHASE_CODES["done"], "done", time.monotonic())
+        if self._step and self.nonfinite_step == self._step:
+            # Ends on a NaN/inf: the launcher does not call such a job a success (--nan-policy).
+            self.record_failure(NONFINITE_END, f"last reported loss {self._loss}, grad norm {self._grad_norm} "
+                                f"at step {self._step}", None)
 
 
 _monotonic = time.monotonic
@@ -405,8 +436,8 @@ def init() -> Telemetry:
         if segment is None:
             tw = Telemetry(_Anonymous(), 0, rank=rank, world_size=world, restart=restart, attached=False)
         else:
-            # Faults fire on the first run only: a restarted job must be able to recover.
-            faults = armed_faults(os.environ.get(env.INJECT), rank) if restart == 0 else NO_FAULTS
+            # After a restart, faults that already fired stay fired (see inject.faults).
+            faults = armed_faults(os.environ.get(env.INJECT), rank, restart)
             # Launched by trainwatch: never outlive the launcher (a SIGKILLed
             # launcher would leave ranks training, unwatched, forever).
             parent = os.environ.get(env.PARENT_PID) or os.environ.get(env.LAUNCHER_PID, "")

@@ -14,10 +14,13 @@ from typing import NoReturn, Sequence
 
 from trainwatch.checkpoint import CheckpointError, ensure_writable, load_checkpoint
 from trainwatch.flags import field_docs, flag
-from trainwatch.trainer.config import DEVICES, MODEL_PRESETS, PRECISIONS, TrainConfig, UsageError, resolve
+from trainwatch.trainer.config import (DEVICES, MODEL_PRESETS, NAN_POLICIES, PRECISIONS, NonFiniteLoss, TrainConfig,
+                                       UsageError, resolve)
 
 EXIT_USAGE = 2
-_CHOICES = {"device": DEVICES, "precision": PRECISIONS, "model_size": tuple(MODEL_PRESETS)}
+EXIT_NONFINITE = 1
+"""A run stopped by a NaN/inf loss (--nan-policy fail): a failure like an uncaught exception."""
+_CHOICES = {"device": DEVICES, "precision": PRECISIONS, "model_size": tuple(MODEL_PRESETS), "nan_policy": NAN_POLICIES}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -99,6 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        import trainwatch
+
+        # The same message at the same step after the rollback: the agent stops restarting.
+        trainwatch.init().record_failure(type(e).__name__, str(e), None)
+        return EXIT_NONFINITE
     except KeyboardInterrupt:
         return 130
     except RuntimeError as e:

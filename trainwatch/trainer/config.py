@@ -21,11 +21,16 @@ CKPT_DIR_ENV = env.CKPT_DIR
 (the launcher sets it so a restarted job finds its checkpoints)."""
 
 DEVICES = ("auto", "cpu", "cuda")
+NAN_POLICIES = ("fail", "alert")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 class UsageError(ValueError):
     """A bad flag or setting; the message says which and how to fix it."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradient norm became NaN/inf under --nan-policy fail; the message says what next."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -108,6 +113,13 @@ class TrainConfig:
     deterministic: bool = False
     """Deterministic kernels only (torch.use_deterministic_algorithms, torch's own attention kernels), so on
     CUDA a resumed run equals an uninterrupted one bit for bit; slower. CPU runs are deterministic anyway."""
+    nan_policy: str | None = None
+    """On a NaN/inf loss or grad norm: 'fail' stops the run (the restart rolls back to the newest
+    checkpoint before that step) or 'alert' trains on; default $TRAINWATCH_NAN_POLICY, else fail."""
+    nan_skip_batches: int = 0
+    """After rolling back from a NaN/inf loss, skip this many batches (the data window that produced it)."""
+    nan_lr_factor: float = 1.0
+    """After rolling back from a NaN/inf loss, multiply the learning rate by this (0 < f <= 1)."""
 
 
 def resolve(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainConfig:
@@ -123,6 +135,7 @@ def resolve(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> Train
     out = dataclasses.replace(
         cfg,
         ckpt_dir=cfg.ckpt_dir if cfg.ckpt_dir is not None else (environ.get(CKPT_DIR_ENV) or None),
+        nan_policy=cfg.nan_policy if cfg.nan_policy is not None else (environ.get(env.NAN_POLICY) or "fail"),
         batch_size=preset.batch_size if cfg.batch_size is None else cfg.batch_size,
         seq_len=preset.seq_len if cfg.seq_len is None else cfg.seq_len,
         lr=preset.lr if cfg.lr is None else cfg.lr,
@@ -148,6 +161,12 @@ def resolve(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> Train
         raise UsageError("--lr must be greater than 0; got 0")
     if out.min_lr_ratio > 1:
         raise UsageError(f"--min-lr-ratio must be between 0 and 1; got {out.min_lr_ratio}")
+    if out.nan_policy not in NAN_POLICIES:
+        raise UsageError(f"--nan-policy must be one of {', '.join(NAN_POLICIES)}; got {out.nan_policy!r}")
+    if out.nan_skip_batches < 0:
+        raise UsageError(f"--nan-skip-batches must be 0 or more; got {out.nan_skip_batches}")
+    if not (0 < out.nan_lr_factor <= 1):
+        raise UsageError(f"--nan-lr-factor must be in (0, 1]; got {out.nan_lr_factor}")
     if out.resume == "":
         raise UsageError("--resume must be 'auto', 'never' or a checkpoint path; got ''")
     if out.ckpt_dir == "":

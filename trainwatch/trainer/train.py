@@ -10,6 +10,13 @@ run continues exactly where an uninterrupted one would be.
 Each step reports its loss, grad norm, LR and (fp16) loss scale, and every
 ZERO_GRAD_EVERY steps the fraction of zero gradient elements, read from the
 device together in one copy.
+
+A NaN/inf loss (or grad norm, without a loss scaler) stops the run under
+--nan-policy fail, before the broken state is checkpointed: the restart rolls
+back to the newest checkpoint before that step, optionally skipping the data
+window that produced it (--nan-skip-batches) and lowering the LR
+(--nan-lr-factor); both are kept in the checkpoint, so a later resume
+continues on the same data and LR.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+
 
 import torch
 import torch.distributed as dist
@@ -27,29 +34,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 import trainwatch
 from trainwatch import checkpoint as ckpt
-from trainwatch.trainer.config import MODEL_PRESETS, TrainConfig, UsageError, summary
+from trainwatch.trainer.config import MODEL_PRESETS, NonFiniteLoss, TrainConfig, UsageError, summary
 from trainwatch.trainer.data import get_batch, load_corpus
 from trainwatch.trainer import mfu
+from trainwatch.trainer.runtime import FP8_ERROR, Runtime, check_fp8, precision_context, runtime_of, use_deterministic  # noqa: F401
 from trainwatch.trainer.model import GPT
-from trainwatch.trainer.resume import agree, checkpoint_writer, find_resume
+from trainwatch.trainer.resume import agree, checkpoint_writer, find_resume, finish_rollback, write_nonfinite_marker
 
-FP8_ERROR = "--precision fp8 needs a CUDA GPU and transformer-engine (pip install 'trainwatch[gpu]')"
 STATE_FORMAT = 1
 ZERO_GRAD_EVERY = 10
 """Steps between measurements of the fraction of zero gradient elements (one
 count_nonzero per parameter: about as much as clipping costs, so not every step;
 also measured at a run's first and last step)."""
-
-
-@dataclass(slots=True)
-class Runtime:
-    """Where this process runs: its place in the job and its device."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    distributed: bool
 
 
 @dataclass(slots=True)
@@ -74,72 +70,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _runtime(device_pref: str, environ: dict[str, str]) -> Runtime:
-    launched = "RANK" in environ and "WORLD_SIZE" in environ
-    if launched and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
-        raise UsageError(
-            "RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not; "
-            "start the trainer with trainwatch launch or torchrun, or unset RANK and WORLD_SIZE"
-        )
-    rank = int(environ.get("RANK", "0")) if launched else 0
-    world = int(environ.get("WORLD_SIZE", "1")) if launched else 1
-    local_rank = int(environ.get("LOCAL_RANK", "0")) if launched else 0
-    if device_pref == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda needs a CUDA GPU and a CUDA build of torch; use --device cpu or auto")
-    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
-    # More ranks than GPUs share them in turn (NCCL refuses two ranks of one
-    # communicator on one GPU, and says so; gloo over CUDA tensors does not).
-    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if use_cuda else torch.device("cpu")
-    return Runtime(rank=rank, local_rank=local_rank, world_size=world, device=device, distributed=launched)
-
-
-def _check_fp8(rt: Runtime) -> None:
-    if rt.device.type != "cuda":
-        raise UsageError(FP8_ERROR)
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        raise UsageError(FP8_ERROR) from None
-
-
-def _precision_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    if precision == "fp32":
-        return contextlib.nullcontext
-    if precision == "fp16" and device.type == "cuda":
-        return lambda: torch.autocast(device.type, dtype=torch.float16)
-    if precision in ("bf16", "fp16"):
-        # fp16 on CPU: torch's fp16 CPU kernels are an order of magnitude slower;
-        # bf16 compute, with fp16's GradScaler all the same (see _scaler).
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import DelayedScaling
-
-    recipe = DelayedScaling()
-
-    @contextlib.contextmanager
-    def fp8() -> Iterator[None]:
-        # TE's Linear layers run their matmuls in fp8; the rest stays in bf16.
-        with torch.autocast(device.type, dtype=torch.bfloat16), te.fp8_autocast(enabled=True, fp8_recipe=recipe):
-            yield
-
-    return fp8
-
-
-def _deterministic(rt: Runtime) -> None:
-    """Deterministic kernels only. On CUDA: cuBLAS's fixed-size workspace (read when
-    its first handle is made, so set before the first matmul) and torch's own
-    attention kernels (the fused ones' backward may sum in a varying order)."""
-    if rt.device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.enable_flash_sdp(False)
-        torch.backends.cuda.enable_mem_efficient_sdp(False)
-        if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
-            torch.backends.cuda.enable_cudnn_sdp(False)
-    # warn_only: an op without a deterministic kernel says so and the run goes on.
-    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -200,8 +130,16 @@ def _restore(state: dict, where: str, model: GPT, opt: torch.optim.Optimizer, rt
     return step
 
 
+def _int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+
+def _float(value: object, default: float) -> float:
+    return float(value) if isinstance(value, float) and 0 < value <= 1 else default
+
+
 def _state_dict(model: GPT, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig, rt: Runtime,
-                scaler: torch.amp.GradScaler | None = None) -> dict:
+                scaler: torch.amp.GradScaler | None = None, data_offset: int = 0, lr_scale: float = 1.0) -> dict:
     """The full checkpoint state: plain tensors, dicts, lists, numbers and strings."""
     rng: dict[str, torch.Tensor] = {"torch_cpu": torch.get_rng_state()}
     if rt.device.type == "cuda":
@@ -216,6 +154,8 @@ def _state_dict(model: GPT, opt: torch.optim.Optimizer, step: int, cfg: TrainCon
         "seed": cfg.seed,
         "world_size": rt.world_size,
         "config": summary(cfg),
+        "data_offset": data_offset,
+        "lr_scale": lr_scale,
     }
 
 
@@ -227,9 +167,9 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
     """
     environ = dict(os.environ if environ is None else environ)
     start_wall = time.monotonic()
-    rt = _runtime(cfg.device, environ)
+    rt = runtime_of(cfg.device, environ)
     if cfg.precision == "fp8":
-        _check_fp8(rt)
+        check_fp8(rt)
     if cfg.ckpt_dir:
         ckpt.ensure_writable(cfg.ckpt_dir)
     tw = trainwatch.init()
@@ -244,7 +184,7 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
         torch.cuda.set_device(rt.device)
         torch.set_float32_matmul_precision("high")
     if cfg.deterministic:
-        _deterministic(rt)
+        use_deterministic(rt)
     writer = rt.rank == 0
     if rt.distributed:
         tw.set_phase("init")
@@ -256,13 +196,22 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
                 # --ckpt-dir rank 0 does not write to keeps its own copy.
                 resume = agree(resume, cfg, say)
                 writer = checkpoint_writer(cfg, rt.rank, rt.local_rank)
+        if resume.rollback is not None:
+            if resume.state is not None:
+                say(f"rolled back to {resume.where} (step {resume.step}): the loss was non-finite at step "
+                    f"{resume.rollback}")
+            else:
+                say(f"starting over: no finite checkpoint before step {resume.rollback}, where the loss was non-finite")
+            if writer and cfg.ckpt_dir:  # every rank has loaded its state (checkpoint_writer's barriers)
+                finish_rollback(cfg.ckpt_dir, resume.rollback, say)
+        rollback = resume.rollback
         state, resumed_from = resume.state, resume.where
         first_step = 1 if state is None else resume.step + 1
         if first_step > cfg.max_steps:
             say(f"nothing to do: checkpoint {resumed_from} is at step {first_step - 1} >= --max-steps {cfg.max_steps}")
             return TrainResult(first_step, first_step - 1, math.nan, math.nan, 0.0, resumed_from)
         del resume
-        result = _run(cfg, rt, tw, state, resumed_from, first_step, say, writer)
+        result = _run(cfg, rt, tw, state, resumed_from, first_step, say, writer, rollback)
     except Exception as e:
         # A peer died or a collective failed: save the last completed step this
         # rank staged before exiting, so the restart loses nothing.
@@ -282,7 +231,7 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
 
 
 def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: str | None, first_step: int, say,
-         writer: bool = True) -> TrainResult:
+         writer: bool = True, rollback: int | None = None) -> TrainResult:
     preset = MODEL_PRESETS[cfg.model_size]
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every run
     # Built on the GPU when there is one: initialising the largest size's 1.2B
@@ -292,15 +241,24 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
     opt = _optimizer(model, cfg, rt.device)
     scaler = _scaler(cfg, rt, tw)
     faults = tw.faults  # injected faults (--inject); no-ops unless armed in this rank
+    data_offset, lr_scale = 0, 1.0
     if state is not None:
         _restore(state, resumed_from or "?", model, opt, rt, cfg, scaler)
+        data_offset, lr_scale = _int(state.get("data_offset"), 0), _float(state.get("lr_scale"), 1.0)
         say(f"resumed from {resumed_from} (step {first_step - 1})")
         del state  # the checkpoint's tensors are copied in; free the CPU copy
+    if rollback is not None and (cfg.nan_skip_batches or cfg.nan_lr_factor != 1.0):
+        data_offset += cfg.nan_skip_batches
+        lr_scale *= cfg.nan_lr_factor
+        say(f"after the non-finite loss at step {rollback}: skipping {cfg.nan_skip_batches} batches "
+            f"(step {first_step} trains on batch {first_step + data_offset}), LR x{lr_scale:g}")
+    tw.data_offset = data_offset
+    tw.resume_at(first_step - 1)
     ddp = model
     if rt.distributed:
         ddp = DistributedDataParallel(model, device_ids=[rt.device] if rt.device.type == "cuda" else None)
     corpus = load_corpus()
-    autocast = _precision_context(cfg.precision, rt.device)
+    autocast = precision_context(cfg.precision, rt.device)
     if rt.distributed:
         # DDP lays its gradient buckets out again after the first backward, and
         # the layout decides the order in which floats are summed across ranks
@@ -320,7 +278,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
 
     done_step = first_step - 1
     # Staged to CPU after every step, so the watchdog can save it while this rank hangs.
-    tw.register_state(state_fn=lambda: _state_dict(model, opt, done_step, cfg, rt, scaler),
+    tw.register_state(state_fn=lambda: _state_dict(model, opt, done_step, cfg, rt, scaler, data_offset, lr_scale),
                       checkpoint_dir=cfg.ckpt_dir, keep=cfg.keep)
     # Logging collectives get their own group, as in most real trainers: a rank
     # that desynchronises there leaves DDP's gradient all-reduces intact.
@@ -336,12 +294,13 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
     wait_here = rt.distributed and rt.device.type == "cuda"
     for step in range(first_step, cfg.max_steps + 1):
         t0 = time.monotonic()
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg) * lr_scale
         for group in opt.param_groups:
             group["lr"] = lr
         tw.fault_point("data")
         with tw.phase("data"):
-            x, y = get_batch(corpus, seed=cfg.seed, step=step, rank=rt.rank, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+            x, y = get_batch(corpus, seed=cfg.seed, step=step + data_offset, rank=rt.rank, batch_size=cfg.batch_size,
+                             seq_len=cfg.seq_len)
             x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
         tw.fault_point("forward")
         with tw.phase("forward"):
@@ -392,6 +351,16 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
                 loss_scale=more[0] if scaler is not None else None,
                 zero_grad_frac=more[-1] if zeros is not None else None)
         tw.fault_point("step_end")
+        # With a loss scaler an inf grad norm is an overflow the scaler skipped,
+        # not a broken step. Every rank sees the same mean loss and grad norm.
+        if cfg.nan_policy == "fail" and not (math.isfinite(mean_v) and (scaler is not None or math.isfinite(norm_v))):
+            what = f"loss {mean_v}" if not math.isfinite(mean_v) else f"grad norm {norm_v}"
+            if writer and cfg.ckpt_dir:
+                write_nonfinite_marker(cfg.ckpt_dir, step, what)
+            raise NonFiniteLoss(
+                f"non-finite {what} at step {step}; stopped before saving it (--nan-policy fail): a restart rolls "
+                "back to the newest checkpoint before this step; pass --nan-skip-batches N to skip the data that "
+                "produced it (and --nan-lr-factor F to lower the LR), or --nan-policy alert to train on")
         step_s = time.monotonic() - t0
         window_s, window_n = window_s + step_s, window_n + 1
         if step == first_step:
@@ -400,15 +369,18 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
 
         if cfg.ckpt_dir and writer and (step % cfg.ckpt_interval == 0 or step == cfg.max_steps):
             with tw.phase("checkpoint"):
-                ckpt.save_checkpoint(
-                    cfg.ckpt_dir,
-                    step,
-                    _state_dict(model, opt, step, cfg, rt, scaler),
-                    keep=cfg.keep,
-                    rank=rt.rank,
-                    world_size=rt.world_size,
-                    fault_point=lambda: tw.fault_point("checkpoint"),
-                )
+                try:
+                    ckpt.save_checkpoint(
+                        cfg.ckpt_dir,
+                        step,
+                        _state_dict(model, opt, step, cfg, rt, scaler, data_offset, lr_scale),
+                        keep=cfg.keep,
+                        rank=rt.rank,
+                        world_size=rt.world_size,
+                        fault_point=lambda: tw.fault_point("checkpoint"),
+                    )
+                except ckpt.NonFiniteState as e:  # --nan-policy alert trains on; its NaN is never saved
+                    print(f"warning: {e}", flush=True)
         if step % cfg.log_interval == 0 or step == cfg.max_steps:
             avg_s = window_s / window_n
             line = (

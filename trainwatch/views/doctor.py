@@ -21,7 +21,8 @@ from trainwatch.usage import Parser, fail, printable
 from trainwatch.views import fschecks, hostchecks
 from trainwatch.views.hostchecks import Check, GpuInfo, Host, Options
 
-USAGE = "usage: trainwatch doctor [--json] [--nproc-per-node N] [--nnodes N] [--ckpt-dir DIR]"
+USAGE = ("usage: trainwatch doctor [--json] [--nproc-per-node N] [--nnodes N] [--ckpt-dir DIR] "
+         "[--master-addr HOST] [--master-port PORT | --rdzv-endpoint HOST:PORT]")
 
 CHECKS: tuple[Callable[[Host, Options], Check], ...] = (
     hostchecks.check_nccl_socket_ifname, hostchecks.check_gloo_socket_ifname, hostchecks.check_nccl_proto_algo,
@@ -89,6 +90,9 @@ def main(argv: list[str], *, gpus: tuple[GpuInfo, ...] | None = None, gpu_reason
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N")
     p.add_argument("--nnodes", default=None, metavar="N")
     p.add_argument("--ckpt-dir", default=None, metavar="DIR")
+    p.add_argument("--master-addr", default=None, metavar="HOST")
+    p.add_argument("--master-port", type=int, default=None, metavar="PORT")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT")
     args = p.parse_args(argv)
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         return fail(f"--nproc-per-node must be a positive integer; got {args.nproc_per_node} ({USAGE})")
@@ -102,8 +106,9 @@ def main(argv: list[str], *, gpus: tuple[GpuInfo, ...] | None = None, gpu_reason
         if problem:
             return fail(printable(f"{where} must be a directory (or not exist yet); {problem}"))
     host = host or real_host(gpus, gpu_reason)
+    ports = hostchecks.port_options(args.master_port, args.master_addr, args.rdzv_endpoint)
     checks = run_checks(host, Options(nproc_per_node=args.nproc_per_node, nnodes=nnodes,
-                                      ckpt_dir=Path(ckpt) if ckpt else None))
+                                      ckpt_dir=Path(ckpt) if ckpt else None, **ports))
     failed = any(c.verdict == "fail" for c in checks)
     if args.json:
         print(json.dumps({"checks": [c.to_json() for c in checks], "ok": not failed}, indent=2, default=str))

@@ -93,6 +93,12 @@ class Options:
     """Nodes of the job (the largest of --nnodes MIN:MAX)."""
     ckpt_dir: Path | None = None
     """The job's checkpoint directory (--ckpt-dir, TRAINWATCH_CKPT_DIR)."""
+    master_port: int | None = None
+    """The port the job's store listens on (--master-port, or --rdzv-endpoint's), over MASTER_PORT."""
+    master_addr: str | None = None
+    """Its host (--master-addr, or --rdzv-endpoint's), over MASTER_ADDR."""
+    port_flag: str = "MASTER_PORT"
+    """Where master_port came from, as the user wrote it (named in the message)."""
 
     def world_size(self, env: Mapping[str, str]) -> int | None:
         if self.nproc_per_node is not None:
@@ -223,29 +229,42 @@ def check_master_addr(host: Host, opts: Options) -> Check:
 
 
 def check_master_port(host: Host, opts: Options) -> Check:
-    raw = host.env.get("MASTER_PORT")
-    evidence: dict = {"MASTER_PORT": raw, "MASTER_ADDR": host.env.get("MASTER_ADDR")}
+    raw = str(opts.master_port) if opts.master_port is not None else host.env.get("MASTER_PORT")
+    flag = opts.port_flag if opts.master_port is not None else "MASTER_PORT"
+    addr = opts.master_addr or host.env.get("MASTER_ADDR")
+    evidence: dict = {"MASTER_PORT": raw, "MASTER_ADDR": addr, "from": flag}
     if raw is None:
         return Check("master-port", "ok", "MASTER_PORT is not set", "nccl-init-hang", evidence)
     port = positive_int(raw)
     if port is None or port > 65535:
-        return Check("master-port", "fail", f"MASTER_PORT={raw} is not a port: set 1..65535 (e.g. 29500)",
+        return Check("master-port", "fail", f"{flag}={raw} is not a port: set 1..65535 (e.g. 29500)",
                      "nccl-init-hang", evidence)
-    found = host.lookup(host.env.get("MASTER_ADDR") or "127.0.0.1")
+    found = host.lookup(addr or "127.0.0.1")
     if isinstance(found, BaseException) or not found:
         return Check("master-port", "skip", "MASTER_ADDR does not resolve: port not probed", "nccl-init-hang",
                      evidence)
     state = host.port_probe(found, port)
     evidence["probe"] = state
     if state == "taken":
-        return Check("master-port", "fail", f"MASTER_PORT={port} is already in use on this machine: pick a free "
+        return Check("master-port", "fail", f"{flag}={port} is already in use on this machine: pick a free "
                      "port or stop what listens there", "nccl-init-hang", evidence)
     if state == "remote":
         return Check("master-port", "ok", f"MASTER_ADDR is another machine; port {port} is checked there",
                      "nccl-init-hang", evidence)
     if state != "free":
         return Check("master-port", "skip", f"cannot probe port {port} ({state})", "nccl-init-hang", evidence)
-    return Check("master-port", "ok", f"MASTER_PORT={port} is free here", "nccl-init-hang", evidence)
+    return Check("master-port", "ok", f"{flag}={port} is free here", "nccl-init-hang", evidence)
+
+
+def port_options(master_port: int | None, master_addr: str | None, rdzv_endpoint: str | None) -> dict:
+    """Options' master_port/master_addr/port_flag from launch-style flags: --master-port wins,
+    else --rdzv-endpoint HOST:PORT; {} when neither names a port."""
+    if master_port is not None:
+        return {"master_port": master_port, "master_addr": master_addr, "port_flag": "--master-port"}
+    host, sep, port = str(rdzv_endpoint or "").rpartition(":")
+    if sep and port.isdigit() and int(port) > 0:
+        return {"master_port": int(port), "master_addr": host.strip("[]") or None, "port_flag": "--rdzv-endpoint"}
+    return {}
 
 
 def resolve_with_timeout(name: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> list[str]:

@@ -7,8 +7,9 @@ from trainwatch import state
 from trainwatch.usage import printable
 
 
-def failure_summary(job: str, restarts: int, max_restarts: int) -> str:
-    """What a user needs when trainwatch gives up: what happened, how often, what next."""
+def failure_summary(job: str, restarts: int, max_restarts: int, cause: str | None = None) -> str:
+    """What a user needs when trainwatch gives up: what happened, how often, what next.
+    cause: the exception that ended it, one line (rank, file:line, its last line)."""
     events = state.JobDir(job).incidents()
     kinds: dict[str, int] = {}
     for e in events:
@@ -17,6 +18,8 @@ def failure_summary(job: str, restarts: int, max_restarts: int) -> str:
     lines = [f"[trainwatch] summary for job {job}:"]
     lines.append(f"  restarts: {restarts} of {max_restarts} allowed"
                  + (" (budget spent)" if max_restarts and restarts >= max_restarts else ""))
+    if cause:
+        lines.append(f"  error: {cause}")
     lines.append("  incidents: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"))
     if last is not None:
         verdict = last.get("verdict") or {}

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from trainwatch import env, slots, state
-from trainwatch.watchdog import warmstart
+from trainwatch.watchdog import failures, warmstart
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 
 log = logging.getLogger("trainwatch")
@@ -36,7 +37,8 @@ the restart."""
 class TrainwatchAgent(LocalElasticAgent):
     def __init__(self, *args: Any, job: str, segment: slots.Segment, run_id: str = "", sidecar: Any = None,
                  on_event: Callable[[str, dict], None] | None = None, emergency_timeout_s: float = 10.0,
-                 zygote: warmstart.Zygote | None = None, node: str | None = None, **kwargs: Any):
+                 zygote: warmstart.Zygote | None = None, preempt_signals: frozenset = frozenset(),
+                 preempt_grace_s: float = 30.0, node: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.job = job
         self.run_id = run_id
@@ -56,6 +58,13 @@ class TrainwatchAgent(LocalElasticAgent):
         """Local ranks that exited 0 without finishing while their peers ran (see _checkpoint_survivors)."""
         self.zygote = zygote
         """Warm start: workers are forked from it (None: fresh interpreters, as torchrun)."""
+        self.preempt_signals = preempt_signals
+        """Signals that mean preemption: checkpoint every rank before stopping (signal numbers)."""
+        self.preempt_grace_s = preempt_grace_s
+        self.preempted: dict | None = None
+        """What the preemption checkpoint did (None: not preempted)."""
+        self.fatal: tuple[failures.RankFailure, str] | None = None
+        """The deterministic failure that ended the job (not restarted), and why it is one."""
 
     # ---- worker lifecycle ---------------------------------------------------------
 
@@ -90,6 +99,12 @@ class TrainwatchAgent(LocalElasticAgent):
         return pids
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # Only torchelastic's own handling of a signal to the launcher is a
+        # preemption (a restart stops its workers with SIGTERM too).
+        handling = sys.exc_info()[1]
+        if type(handling).__name__ == "SignalException" and int(death_sig) in self.preempt_signals \
+                and self.preempted is None:
+            self._checkpoint_for_preemption(signal.Signals(death_sig))
         # A stopped worker (SIGSTOP, a debugger, job control) never handles
         # SIGTERM; continue it first so it can exit within the grace.
         for pid in self._worker_pids():
@@ -98,6 +113,36 @@ class TrainwatchAgent(LocalElasticAgent):
             except OSError:
                 pass
         super()._shutdown(death_sig, min(timeout, TEARDOWN_S))
+
+    def _checkpoint_for_preemption(self, sig: signal.Signals) -> None:
+        """A scheduler's notice (SIGTERM, Slurm's SIGUSR1): every rank that
+        registered state writes the state of its last step, within the grace,
+        before any rank is signalled. Ranks without state are said, not waited for."""
+        from trainwatch.watchdog.checkpointing import describe
+
+        t0 = time.monotonic()
+        print(f"[trainwatch] {sig.name}: preemption; asking every rank for an emergency checkpoint "
+              f"(grace {self.preempt_grace_s:g}s)", flush=True)
+        self.dir.update_job(status="stopping")
+        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
+
+        def running(local_rank: int) -> bool:
+            handler = handlers.get(local_rank)
+            return handler is None or handler.proc.poll() is None
+
+        try:
+            result = request_emergency_checkpoint(self.segment, self.preempt_grace_s, alive=running)
+        except Exception as e:  # the stop goes on whatever the checkpoint did
+            result = {"requested": [], "no_state": [], "written": {}, "failed": {}, "step": None,
+                      "seconds": round(time.monotonic() - t0, 3), "skipped": f"{type(e).__name__}: {e}"}
+        said = describe(result)
+        if result.get("no_state") and not result.get("written"):
+            said += ("; nothing was saved: the script registers no state (tw.register_state), so its work since "
+                     "its own last checkpoint is lost")
+        print(f"[trainwatch] preemption: {said}", flush=True)
+        self.preempted = {"signal": sig.name, "checkpoint": result, "said": said,
+                          "seconds": round(time.monotonic() - t0, 3)}
+        self._on_event("preempted", self.preempted)
 
     def _worker_pids(self) -> list[int]:
         pcontext = getattr(self, "_pcontext", None)
@@ -141,6 +186,7 @@ class TrainwatchAgent(LocalElasticAgent):
             self.sidecar.ensure_running()
         if result.state == WorkerState.FAILED:
             self._report_exits(worker_group, result)
+            self._stop_on_deterministic_error()
             self._stop_on_repeated_usage_error(result)
         elif result.state == WorkerState.HEALTHY:
             request = self._take_restart_request()
@@ -149,6 +195,19 @@ class TrainwatchAgent(LocalElasticAgent):
                 self._on_event("restart_requested", request)
                 return RunResult(state=WorkerState.UNHEALTHY)
         return result
+
+    def _stop_on_deterministic_error(self) -> None:
+        """A rank's exception that a restart would replay (see watchdog.failures):
+        no restart, one line naming it."""
+        found = failures.deterministic(failures.read_failures(self.dir.errors_file, self.run_id), self.restart_count)
+        if found is None:
+            return
+        self.fatal = found
+        failure, why = found
+        if self._remaining_restarts > 0:
+            print(f"[trainwatch] not restarting: {failure.describe()} ({why}; a restart would fail the same way)",
+                  flush=True)
+        self._remaining_restarts = 0
 
     def _stop_on_repeated_usage_error(self, result: RunResult) -> None:
         """A worker that exits with code 2 says the job cannot go on as set up

@@ -23,8 +23,9 @@ import uuid
 from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.inject import spec as inject
 from trainwatch.views.summary import failure_summary
-from trainwatch.watchdog import preflight, warmstart
-from trainwatch.watchdog.options import LaunchConfig, LaunchError, parse, prescan_job, prescan_node_scope
+from trainwatch.watchdog import failures, preflight, warmstart
+from trainwatch.watchdog.options import (PREEMPTED_EXIT, LaunchConfig, LaunchError, parse, prescan_job,
+                                         prescan_node_scope)
 
 log = logging.getLogger("trainwatch")
 
@@ -171,6 +172,8 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
+    elif args.rdzv_backend == "static" and int(args.node_rank or 0) == 0:
+        preflight.check_master_port(args)  # this node hosts the store on it
     # The stores are not authenticated: a single-node job's listen on loopback
     # only; a multi-node job's on the address given by --local-addr (README).
     single_node = parse_min_max_nnodes(str(args.nnodes))[1] == 1
@@ -217,6 +220,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     os.environ[env.HOME] = str(state.home().resolve())
     os.environ[env.SLOTS] = segment_path
     os.environ[env.INJECT] = inject.encode([f for f in config.faults if f.kind not in inject.HARDWARE_KINDS])
+    os.environ[env.NAN_POLICY] = config.nan_policy
     os.environ.setdefault(env.FR_BUFFER_SIZE, "2000")
     # With the rendezvous TCPStore shared across rounds (torch's default), a
     # restarted gloo worker group reads the previous attempt's addresses from
@@ -288,7 +292,10 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
                   "set TRAINWATCH_TARGETS_DIR to a writable directory", flush=True)
 
     master_addr, master_port = _get_addr_and_port(rdzv_parameters)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = launch_config.signals_to_handle
+    # Preemption signals (Slurm's --signal=USR1) reach the agent as torchelastic's SignalException too.
+    handled = [x.strip() for x in launch_config.signals_to_handle.split(",") if x.strip()]
+    handled += [f"SIG{name}" for name in config.preempt_signals if f"SIG{name}" not in handled]
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(handled)
     spec = WorkerSpec(
         role=launch_config.role,
         local_world_size=launch_config.nproc_per_node,
@@ -312,6 +319,8 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         sidecar=sidecar,
         emergency_timeout_s=config.sidecar.actions.emergency_timeout_s,
         zygote=zygote,
+        preempt_signals=frozenset(int(getattr(signal, f"SIG{name}")) for name in config.preempt_signals),
+        preempt_grace_s=config.preempt_grace_s,
         node=node,
     )
 
@@ -322,10 +331,10 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
 
         if result.state != WorkerState.SUCCEEDED:
             status, code = "failed", 1
-            failures = ", ".join(
+            exits = ", ".join(
                 f"rank {r}: exit code {f.exitcode}" for r, f in sorted(result.failures.items())
             ) or "the watchdog's restart budget is spent"
-            print(f"[trainwatch] job {config.job} failed ({failures})", file=sys.stderr, flush=True)
+            print(f"[trainwatch] job {config.job} failed ({exits})", file=sys.stderr, flush=True)
         else:
             status, code = "succeeded", 0
     except ChildFailedError as e:
@@ -339,7 +348,13 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     except Exception as e:  # SignalException from torchelastic on SIGTERM/SIGINT
         if type(e).__name__ == "SignalException":
             status, code = "stopped", 128 + int(getattr(e, "sigval", signal.SIGTERM))
-            print(f"[trainwatch] job {config.job} stopped by {getattr(e, 'sigval', 'signal')}", flush=True)
+            if agent.preempted is not None:
+                code = PREEMPTED_EXIT
+                print(f"[trainwatch] job {config.job} preempted by {agent.preempted['signal']}: "
+                      f"{agent.preempted['said']}; exit code {PREEMPTED_EXIT}: launch it again with --job "
+                      f"{config.job} to resume", flush=True)
+            else:
+                print(f"[trainwatch] job {config.job} stopped by {getattr(e, 'sigval', 'signal')}", flush=True)
         else:
             raise
     finally:
@@ -353,9 +368,19 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
             pass
         sidecar.stop()
         if agent.zygote is not None:
-            agent.zygote.close()
+            # Idle, holding nothing: its interpreter's own teardown (a second with
+            # torch imported) need not delay the job's exit.
+            agent.zygote.close(timeout_s=0.3)
         state.remove_scrape_target(config.job, node)
-        job_dir.update_job(status=status, end_time=time.time(), exit_code=code, restarts=agent.restart_count)
+        nonfinite = None
+        if status == "succeeded" and config.nan_policy == "fail":
+            nonfinite = failures.nonfinite_end(job_dir, segment.read_table(), segment.nslots, run_id)
+            if nonfinite:
+                status, code = "failed", 1
+                print(f"[trainwatch] job {config.job} failed: {nonfinite} (--nan-policy alert lets such a job "
+                      "end as succeeded)", file=sys.stderr, flush=True)
+        job_dir.update_job(status=status, end_time=time.time(), exit_code=code, restarts=agent.restart_count,
+                           **({"preempted": agent.preempted} if agent.preempted is not None else {}))
         segment.close()
         try:
             os.unlink(segment_path)
@@ -363,7 +388,12 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
             pass
     print(f"[trainwatch] job {config.job} {status} (restarts: {agent.restart_count})", flush=True)
     if status == "failed":
-        print(failure_summary(config.job, agent.restart_count, args.max_restarts), file=sys.stderr, flush=True)
+        cause = None
+        if agent.fatal is not None:
+            cause = f"{agent.fatal[0].describe()} ({agent.fatal[1]}; not restarted)"
+        elif nonfinite:
+            cause = nonfinite
+        print(failure_summary(config.job, agent.restart_count, args.max_restarts, cause), file=sys.stderr, flush=True)
     return code
 
 

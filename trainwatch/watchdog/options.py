@@ -19,7 +19,12 @@ from trainwatch.inject import spec as inject
 from trainwatch.watchdog.config import FLAG_ALIASES, SidecarConfig, launch_flags
 
 DEFAULT_MODULE = "trainwatch.trainer"
+NAN_POLICIES = ("fail", "alert")
+PREEMPT_SIGNALS = ("TERM", "USR1", "USR2", "INT", "HUP")
 DEFAULT_MAX_RESTARTS = 3
+PREEMPTED_EXIT = 75
+"""Exit code of a job stopped by a preemption signal after its checkpoint (EX_TEMPFAIL:
+try again). Schedulers requeue on it (README: Slurm, Kubernetes)."""
 TRAINER_CHECK_TIMEOUT_S = 120.0
 
 
@@ -41,6 +46,12 @@ class LaunchConfig:
     """Faults to inject (parsed `--inject` specs)."""
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
     """Everything the node's watchdog does (thresholds, actions, intervals)."""
+    nan_policy: str = "fail"
+    """'fail': a job whose last reported loss is NaN/inf ends failed; 'alert': incidents only."""
+    preempt_signals: tuple = ("TERM",)
+    """Signals to the launcher that mean preemption: checkpoint every rank, then stop (names, no SIG)."""
+    preempt_grace_s: float = 30.0
+    """Seconds ranks get to write their preemption checkpoint."""
 
 
 class _ParseError(Exception):
@@ -86,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     tw.add_argument("--no-warm-start", action="store_true",
                     help="Start every worker as a fresh interpreter, as torchrun does (default: fork workers from a "
                     "per-node process that imported torch once, so a restart does not pay for it again).")
+    tw.add_argument("--nan-policy", choices=NAN_POLICIES, default="fail",
+                    help="fail (default): a NaN/inf loss never ends as succeeded; the integrated trainer stops at "
+                    "it and the restart rolls back before it. alert: report it and train on.")
+    tw.add_argument("--preempt-signals", default="TERM", metavar="SIG[,SIG]",
+                    help="Signals to the launcher that mean preemption (default TERM; add USR1 for Slurm's "
+                    "--signal=B:USR1@90; 'none' turns it off): every rank that registered state writes an "
+                    f"emergency checkpoint, then the job stops with exit code {PREEMPTED_EXIT}.")
+    tw.add_argument("--preempt-grace-s", type=float, default=30.0, metavar="S",
+                    help="Seconds ranks get to write the preemption checkpoint (default 30; keep it under the "
+                    "scheduler's notice).")
     tw.add_argument("--strict", action="store_true",
                     help="Refuse to start (exit 2) when a `trainwatch doctor` check fails (default: print it, go on).")
     flags.add_flags(parser.add_argument_group("trainwatch watchdog (thresholds and actions)"), launch_flags(),
@@ -162,10 +183,28 @@ def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Nam
             raise LaunchError(f"--kernel-log {args.kernel_log!r}: its directory must exist and be readable")
         sidecar.kernel_log = os.path.abspath(args.kernel_log)
     sidecar.faults = [f.to_json() for f in faults if f.kind in inject.HARDWARE_KINDS]
+    preempt = parse_preempt_signals(args.preempt_signals)
+    if not (0 < args.preempt_grace_s < 1e6):
+        raise LaunchError(f"--preempt-grace-s must be a positive number of seconds; got {args.preempt_grace_s}")
+    if not args.no_python:
+        check_entry(args.training_script, module=bool(args.module))
     if args.module and args.training_script == DEFAULT_MODULE:
         check_trainer_args(job, args.training_script_args)
     return args, LaunchConfig(job=job, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                              faults=faults, sidecar=sidecar)
+                              faults=faults, sidecar=sidecar, nan_policy=args.nan_policy,
+                              preempt_signals=preempt, preempt_grace_s=args.preempt_grace_s)
+
+
+def parse_preempt_signals(value: str) -> tuple:
+    """'TERM,USR1' -> ('TERM', 'USR1'); 'none' -> (); LaunchError for others."""
+    names = [v.strip().upper().removeprefix("SIG") for v in str(value).split(",") if v.strip()]
+    if names == ["NONE"]:
+        return ()
+    bad = [n for n in names if n not in PREEMPT_SIGNALS]
+    if bad or not names:
+        raise LaunchError(f"--preempt-signals takes {', '.join(PREEMPT_SIGNALS)} (comma-separated) or none; "
+                          f"got {value!r}")
+    return tuple(dict.fromkeys(names))
 
 
 def _check_torchrun_options(args: argparse.Namespace) -> None:
@@ -211,6 +250,33 @@ def _world_size(args: argparse.Namespace) -> int | None:
         return int(args.nproc_per_node) * high if low == high else None
     except (ValueError, RuntimeError, TypeError):
         return None
+
+
+def check_entry(target: str, *, module: bool) -> None:
+    """A module that cannot be found or a script that does not compile fails
+    every rank on every attempt: say it before anything starts."""
+    if module:
+        import importlib.util
+
+        top = target.split(".")[0]
+        sys.path.insert(0, os.getcwd())  # `python -m` looks in the working directory first
+        try:
+            found = importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise LaunchError(f"-m {target}: No module named {top!r}; install it, or check the name and the "
+                              "working directory")
+        return
+    try:
+        source = Path(target).read_bytes()
+        compile(source, target, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise LaunchError(f"{target}:{e.lineno}: SyntaxError: {e.msg}; fix the script") from None
+    except (OSError, ValueError):
+        return  # the ranks report what they cannot read
 
 
 def check_trainer_args(job: str, argv: list[str]) -> None:

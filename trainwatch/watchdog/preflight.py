@@ -16,7 +16,7 @@ from typing import Any
 from trainwatch import env
 from trainwatch.usage import printable
 from trainwatch.views import doctor
-from trainwatch.views.hostchecks import GpuInfo, Options, positive_int
+from trainwatch.views.hostchecks import GpuInfo, Options, port_options, positive_int
 from trainwatch.watchdog.nvml import NvmlPoller
 
 NVLINK_DEVICE_TYPE_SWITCH = 2
@@ -79,9 +79,14 @@ def check_launch(args: argparse.Namespace) -> None:
 
     gpus, reason = read_gpus()
     ckpt = os.environ.get(env.CKPT_DIR)
+    # The port the job will use is the flag's, not only MASTER_PORT's; a
+    # multi-node job's --rdzv-endpoint is in use wherever another node hosts it.
+    single = doctor.parse_nnodes(args.nnodes) == 1
+    ports = port_options(getattr(args, "master_port", None), getattr(args, "master_addr", None),
+                         getattr(args, "rdzv_endpoint", None) if single else None)
     opts = Options(nproc_per_node=positive_int(args.nproc_per_node), nnodes=doctor.parse_nnodes(args.nnodes),
                    ckpt_dir=Path(ckpt) if ckpt and "\0" not in ckpt and not doctor.ckpt_dir_problem(Path(ckpt))
-                   else None)
+                   else None, **ports)
     checks = doctor.run_checks(doctor.real_host(gpus, reason), opts)
     for c in checks:
         if c.verdict in ("warn", "fail"):
@@ -90,3 +95,18 @@ def check_launch(args: argparse.Namespace) -> None:
     if failed and getattr(args, "strict", False):
         # usage.fail prefixes the first line; the others get theirs here: one `error:` line per failure.
         raise LaunchError(printable("\nerror: ".join(f"doctor: {c.id}: {c.message} (--strict)" for c in failed)))
+
+
+def check_master_port(args: argparse.Namespace) -> None:
+    """A --master-port something on this machine already listens on fails every
+    rank (after torch's timeout): say it now, in one line."""
+    from trainwatch.views.hostchecks import probe_port, resolve_with_timeout
+    from trainwatch.watchdog.options import LaunchError
+
+    try:
+        addresses = resolve_with_timeout(args.master_addr or "127.0.0.1")
+    except OSError:
+        return
+    if addresses and probe_port(addresses, int(args.master_port)) == "taken":
+        raise LaunchError(f"--master-port {args.master_port} is already in use on this machine: pick a free port "
+                          "(or leave --master-port out for a free one), or stop what listens there")
