@@ -21,6 +21,7 @@ from trainwatch.watchdog.detectors import (
     default_detectors,
 )
 from trainwatch.watchdog.detectors.base import RankExit, TickView
+from trainwatch.watchdog.detectors.mismatch import CollectiveMismatchConfig
 from trainwatch.watchdog.detectors.straggler import StragglerConfig, peer_median
 from trainwatch.watchdog.incident import Incident, describe_ranks, format_ranks
 
@@ -438,6 +439,75 @@ def test_mismatch_ras_parked_ranks_on_different_sequence_numbers():
         found += [(v.now, inc) for inc in det.check(v)]
     assert found and found[0][1].culprit_ranks == [0]
     assert found[0][0] >= 104.0 - 1e-9
+
+
+def validation_race(det, *, starve_s: float):
+    """Two healthy ranks in a long validation pass (no step for seconds) meet
+    in eval all-reduces. At 106.0 rank 0's sampler reads it parked in 357;
+    rank 0 then finishes 357 and computes while its sampler thread is starved
+    for `starve_s`; rank 1 waits in 358 meanwhile. Rank 0 then joins 358."""
+    t = make_table(2, now=100.0, step=30, step_s=0.5, phase="collective", enqueued=300)
+    found = []
+    now = 100.0
+    while now < 112.0:
+        now = round(now + 0.1, 6)
+        v = view(t, now)
+        seq = 300 + int((now - 100.0) * 10)
+        if now < 106.0:  # both move through the pass's collectives
+            set_rows(t, [0, 1], enqueued=seq, completed=seq - 1, heartbeat_mono=now)
+        elif now < 106.0 + starve_s:
+            set_rows(t, 0, enqueued=357, completed=356)  # the starved sampler's last read
+            set_rows(t, 1, enqueued=358, completed=357, heartbeat_mono=now)
+            if now < 106.05:
+                set_rows(t, 0, heartbeat_mono=now)
+        else:
+            set_rows(t, [0, 1], enqueued=358, completed=358, heartbeat_mono=now, phase="data")
+        v = view(t, now)
+        found += det.check(v)
+    return found
+
+
+def test_mismatch_ras_off_by_one_snapshot_of_a_starved_sampler_is_not_a_mismatch():
+    """The healthy-run false restart ("1 rank have launched up to operation 358;
+    rank 0 only up to 357"): rank 0's numbers were read once, before it moved on.
+    One read is not evidence: a position is compared only once later sampler
+    rounds of the same rank read it again."""
+    assert validation_race(CollectiveMismatchDetector(), starve_s=1.9) == []
+    # Without the re-read requirement the same snapshot was a mismatch.
+    old = CollectiveMismatchDetector(CollectiveMismatchConfig(settle_s=1.0, settle_rounds=0))
+    assert [i.culprit_ranks for i in validation_race(old, starve_s=1.9)][:1] == [[0]]
+
+
+def test_mismatch_ras_off_by_one_closed_by_the_next_sample_is_never_a_mismatch():
+    """Ranks read one apart at every other sample, each gap closed by the next."""
+    det = CollectiveMismatchDetector()
+    t = make_table(2, now=100.0, step=30, phase="collective", enqueued=500)
+    for i in range(1, 120):
+        now = 100.0 + i * 0.1
+        seq = 500 + i // 2
+        set_rows(t, 0, enqueued=seq, completed=seq - 1, heartbeat_mono=now)
+        set_rows(t, 1, enqueued=seq + (i % 2), completed=seq - 1 + (i % 2), heartbeat_mono=now)
+        assert det.check(view(t, now)) == []
+
+
+def test_mismatch_ras_across_nodes_from_half_second_summaries():
+    """On the multi-node aggregator a node's rows arrive twice a second with
+    rebased times that jitter: the true desync is still found, with its node."""
+    det = CollectiveMismatchDetector()
+    t = stalled_table(100.0)
+    set_rows(t, 3, enqueued=811, completed=810)
+    nodes = ["a", "a", "b", "b"]
+    rng = np.random.default_rng(3)
+    found = []
+    for i in range(1, 120):
+        now = 100.0 + i * 0.1
+        if i % 5 == 0:  # a summary: heartbeats as read, rebased with jitter
+            t["heartbeat_mono"] = now + rng.uniform(-0.1, 0.1, 4)
+        found += [(now, inc) for inc in det.check(view(t, now, nodes=nodes))]
+    assert found
+    when, inc = found[0]
+    assert inc.culprit_ranks == [3] and inc.victims == [0, 1, 2]
+    assert when < 106.0
 
 
 def test_mismatch_ras_abstains_while_a_rank_is_stuck_elsewhere():
