@@ -1071,6 +1071,71 @@ def test_hang_after_eval_stops_progressing_says_for_how_long():
     assert "no progress for 6.0 s" in inc.summary  # measured from its last batch, not "0.0 s"
 
 
+def other_work_step(det, job, seconds, *, phase="eval", fetch=True) -> list[Incident]:
+    """One step that contains `seconds` of other work: an evaluation pass (eval
+    phase, batches fetched) or, with phase="compute" and fetch=False, an RL
+    rollout (finished no_grad blocks only), ticked every 0.1 s."""
+    out = []
+    t0 = job.now
+    ranks = list(job.table["rank"])
+    set_rows(job.table, ranks, phase=phase, phase_mono=t0 + 0.05)
+    for k in range(1, int(seconds / 0.1)):
+        set_rows(job.table, ranks, active_mono=t0 + k * 0.1)
+        if fetch:
+            job.table["batches"] += 1
+        out += det.check(job.at(t0 + k * 0.1 + 0.05))
+    return out + det.check(job.step(dt=seconds))
+
+
+@pytest.mark.parametrize("phase,fetch", [("eval", True), ("compute", False)], ids=["validation", "rollout"])
+def test_hang_steps_with_other_work_stay_out_of_the_training_threshold(phase, fetch):
+    """A validation pass (or an RL rollout) every 20 steps makes those steps 10 s
+    long: in the step history they would set the threshold to 5 x 10 s. They go
+    to their own history; a compute hang is still named at the floor."""
+    det = HangDetector()
+    job = SyncJob(2, step_s=0.2)
+    found = []
+    for _ in range(3):
+        found += run_steps(det, job, 20)
+        found += other_work_step(det, job, 10.0, phase=phase, fetch=fetch)
+    found += run_steps(det, job, 20)
+    assert found == []
+    set_rows(job.table, 1, phase="forward")
+    set_rows(job.table, 0, phase="collective")
+    assert det.check(job.at(job.now + 4.0)) == []
+    [inc] = det.check(job.at(job.now + 5.5))
+    assert inc.culprit_ranks == [1]
+
+
+def test_hang_a_rollout_the_job_never_showed_gets_the_slow_phase_allowance():
+    """Forward-only work late in a step marks the step as other work at once: a
+    long single no_grad block with nobody waiting is not hung at the floor."""
+    det = HangDetector()
+    job = SyncJob(2, step_s=0.2)
+    run_steps(det, job, 30)
+    t0 = job.now
+    set_rows(job.table, [0, 1], phase="compute", active_mono=t0 + 1.5)
+    assert det.check(job.at(t0 + 1.6)) == []
+    assert det.check(job.at(t0 + 20.0)) == []  # one no_grad generate() of 18 s
+    assert len(det.check(job.at(t0 + 62.0))) == 1
+
+
+def test_hang_slow_batch_fetches_are_training_work_not_other_work():
+    """A data stall (batches fetched late in the step) stays in the step history."""
+    det = HangDetector()
+    job = SyncJob(2, step_s=0.2)
+    run_steps(det, job, 10)
+    other = []
+    for _ in range(5):
+        t0 = job.now
+        set_rows(job.table, [0, 1], phase="data", active_mono=t0 + 2.0)
+        job.table["batches"] += 1
+        det.check(job.at(t0 + 2.05))
+        det.check(job.step(dt=2.1))
+        other.append(bool(det.other.kind.size) and det._other_s.counts(np.array([0]))[0] > 0)
+    assert not any(other)
+
+
 def busy(job, ranks, t0, seconds, *, cpu=1.0, io=0.0):
     """Heartbeats every 0.2 s with CPU time (and I/O) advancing at these rates."""
     out = []

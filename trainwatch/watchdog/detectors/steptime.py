@@ -16,8 +16,9 @@ peer wait in its gradient all-reduce, which runs inside backward: a rank
 whose extra time is in data, optimizer or other is a culprit; a rank whose
 extra time is in backward (or in a collective phase the sidecar saw it in)
 only waited, and is named as a victim. Steps during which the sidecar saw the
-rank in a checkpoint, eval or init phase are honest pauses and never count,
-nor do the waits of its peers at the same time. When every slow rank only
+rank in a checkpoint, eval or init phase, or doing forward-only work late in
+the step (an RL rollout: `base.OtherWork`), are honest pauses and never count
+nor enter the baseline, nor do the waits of its peers at the same time. When every slow rank only
 waited and no rank here explains it, the spike is a communication stall, a
 slow rank on another node, or a rank slowed inside backward itself (reported
 at low severity, from `stall_min_excess_s` of extra time; `stall_alerts` off
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trainwatch import slots
-from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, row_median
+from trainwatch.watchdog.detectors.base import Detector, OtherWork, StepTracker, TickView, grow, row_median
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
 _MAX_LISTED = 32
@@ -111,6 +112,7 @@ class StepTimeDetector(Detector):
         self._stall: _Episode | None = None
         self._pending: dict[int, tuple[float, dict]] = {}
         self._excused_at = -np.inf
+        self._other = OtherWork()
 
     def check(self, view: TickView) -> list[Incident]:
         t = view.table
@@ -131,9 +133,15 @@ class StepTimeDetector(Detector):
             self._pos[gone] = self._count[gone] = 0
             self._med[gone] = np.nan
             self._seen[gone] = 0.0
+        other = self._other.update(t, advanced, restarted, lambda r: self._med[r])
+        if other.any():
+            # An evaluation, a checkpoint or a rollout: its length is that work's,
+            # and peers that waited for it waited for honest work.
+            self._excused_at = view.now
         if advanced.any():
-            rows = np.nonzero(advanced)[0]
+            rows = np.nonzero(advanced & ~other)[0]
             self._judge(view, rows)
+            rows = np.nonzero(advanced)[0]
             self._seen[ranks[rows]] = 0.0
         self._watch_phases(view)
         self._settle(view.now)
