@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from slot_tables import SyncJob, TimelineJob, make_table, rank_exit, set_ring, set_rows, view
+from trainwatch import slots
 from trainwatch.watchdog.detectors import (
     REGISTRY,
     CollectiveMismatchDetector,
@@ -1239,3 +1240,56 @@ def test_hang_first_collective_gets_the_warmup_allowance():
     set_rows(job.table, [2, 3], enqueued=6)
     for k in range(1, 100):
         assert det.check(job.at(1.0 + k * 0.5)) == []
+
+
+# ---- which loss is judged (--loss-health) ----------------------------------------------
+
+
+def zero_code(job: SyncJob) -> SyncJob:
+    """Steps counted by the zero-code hooks: the loss is whatever backward() ran on."""
+    job.table["step_source"] = slots.STEP_COUNTED
+    return job
+
+
+def test_loss_health_auto_judges_an_unmodified_scripts_loss_for_nan_only():
+    """An RL value loss rises as returns grow, and jumps: an unmodified script's
+    loss is not judged by the spike rule; a NaN still is, and says which loss."""
+    from trainwatch.watchdog.detectors.loss import LossHealthConfig
+
+    det = LossHealthDetector()
+    job = zero_code(SyncJob(2))
+    rng = np.random.default_rng(2)
+    for _ in range(40):
+        assert det.check(job.step(loss=2.0 + rng.normal(0, 0.02, 2), grad_norm=np.ones(2))) == []
+    assert det.check(job.step(loss=np.array([2.0, 9.0]), grad_norm=np.array([1.0, 800.0]))) == []
+    [inc] = det.check(job.step(loss=np.array([2.0, np.nan]), grad_norm=np.full(2, np.nan)))
+    assert inc.kind == "loss_nan" and inc.culprit_ranks == [1]
+    assert inc.evidence["loss_watched"] == "the loss backward() ran on (unmodified script)"
+    # --loss-health full: the same spike is a spike
+    det = LossHealthDetector(LossHealthConfig(health="full"))
+    job = zero_code(SyncJob(2))
+    for _ in range(40):
+        det.check(job.step(loss=2.0 + rng.normal(0, 0.02, 2), grad_norm=np.ones(2)))
+    kinds = [i.kind for i in det.check(job.step(loss=np.array([2.0, 9.0]), grad_norm=np.ones(2)))]
+    assert kinds == ["loss_spike"]
+    # --loss-health off: not even a NaN
+    det = LossHealthDetector(LossHealthConfig(health="off"))
+    job = zero_code(SyncJob(2))
+    for _ in range(5):
+        det.check(job.step(loss=np.full(2, 2.0), grad_norm=np.ones(2)))
+    assert det.check(job.step(loss=np.array([2.0, np.nan]), grad_norm=np.ones(2))) == []
+
+
+def test_loss_health_declared_loss_gets_every_rule_and_says_so():
+    det = LossHealthDetector()
+    job = loss_job(det, steps=40)  # tw.step(loss=...) (STEP_REPORTED)
+    [inc] = det.check(job.step(loss=np.array([2.0, 2.0, 6.0, 2.0]), grad_norm=np.ones(4)))
+    assert inc.kind == "loss_spike"
+    assert inc.evidence["loss_watched"] == "the loss passed to tw.step() (declared)"
+
+
+def test_loss_health_mode_is_validated():
+    from trainwatch.watchdog.detectors.loss import LossHealthConfig
+
+    with pytest.raises(ValueError, match="--loss-health must be one of auto, off, nan-only, full"):
+        LossHealthConfig(health="some")

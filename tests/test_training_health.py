@@ -547,3 +547,20 @@ def test_gradient_overflow_under_a_loss_scaler_is_not_a_nan_incident():
     job.table["loss_scale"] = np.array([np.nan, 65536.0])
     [inc] = det.check(job.step(loss=np.array([2.0, np.nan]), grad_norm=np.array([np.inf, 1.0])))
     assert inc.kind == "loss_nan" and inc.culprit_ranks == [1] and inc.victims == [0]
+
+
+def test_a_rising_loss_of_an_unmodified_script_is_no_trend_unless_asked():
+    """PPO's value loss rises as returns grow: in an unmodified script (steps
+    counted by the zero-code hooks) the falling-loss rule is off by default."""
+    def rising(i):
+        return np.full(4, 2.0 * (1 + 0.002 * i))
+
+    def zero_code_run(det):
+        job = SyncJob(4)
+        job.table["step_source"] = slots.STEP_COUNTED
+        rng = np.random.default_rng(0)
+        return [inc for i in range(1000) for inc in det.check(job.step(loss=rising(i) * (1 + rng.normal(0, 0.05, 4))))]
+
+    assert zero_code_run(LossTrendDetector()) == []
+    found = zero_code_run(LossTrendDetector(loss_health="full"))
+    assert found and found[0].evidence["loss_watched"] == "the loss backward() ran on (unmodified script)"
