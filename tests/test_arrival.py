@@ -230,6 +230,83 @@ def test_reader_publishes_nothing_when_the_dump_fails_or_the_group_is_gone(reade
     assert r.arrivals is None
 
 
+class FakeRecorder:
+    """A flight recorder whose whole-buffer dump costs `cost_s` of a fake clock,
+    with `per_round` collectives launched between two sampler rounds."""
+
+    def __init__(self, cost_s: float, per_round: int = 10):
+        self.now, self.cost_s, self.per_round = 0.0, cost_s, per_round
+        self.seq, self.done = 0, 0
+
+    def __call__(self, includeCollectives=True, onlyActive=False):
+        if includeCollectives:
+            self.now += self.cost_s
+        status = {"0": {"last_enqueued_collective": str(self.seq), "last_completed_collective": str(self.done)}}
+        entries = [entry(s) for s in range(max(1, self.seq - 50), self.seq + 1)] if includeCollectives else []
+        return fake_dump(entries, status)
+
+    def round(self, dt=0.2):
+        self.now += dt
+        self.seq += self.per_round
+        self.done = self.seq
+
+
+def fake_reader(monkeypatch, rec: FakeRecorder) -> FlightRecorderReader:
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    r = FlightRecorderReader(clock=lambda: rec.now)
+    r._fn = rec
+    return r
+
+
+@pytest.mark.parametrize("cost_s", [0.001, 0.03, 0.13])
+def test_reader_reads_the_whole_buffer_within_its_duty_budget(monkeypatch, cost_s):
+    """10 collectives per 0.2 s round: every round reads the cheap status; the
+    whole buffer (30-130 ms at 2000 entries) at most once per max(1 s, cost /
+    0.5%), so its share of the rank's time stays under 0.5% + one read."""
+    from trainwatch.rank.flightrec import FULL_READ_DUTY, FULL_READ_MIN_S
+
+    rec = FakeRecorder(cost_s)
+    r = fake_reader(monkeypatch, rec)
+    for _ in range(600):
+        rec.round()
+        groups = r.sample()
+        assert groups[0].enqueued == rec.seq  # the sequence numbers are always current
+    span = rec.now
+    assert r.full_reads <= 1 + span / max(FULL_READ_MIN_S, cost_s / FULL_READ_DUTY)
+    assert r.full_reads * cost_s / span <= FULL_READ_DUTY * 1.2 or r.full_reads * FULL_READ_MIN_S <= span + 1
+    assert r.arrivals is None or r.arrivals[1]  # published when read, else left as they were
+
+
+def test_reader_reads_nothing_more_while_no_collective_runs(monkeypatch):
+    rec = FakeRecorder(0.05, per_round=0)
+    rec.seq = rec.done = 5
+    r = fake_reader(monkeypatch, rec)
+    for _ in range(100):
+        rec.round()
+        r.sample()
+    assert r.full_reads == 1
+
+
+def test_reader_publishes_the_op_of_a_collective_the_rank_waits_in(monkeypatch):
+    """The op is published only when read at the group's current sequence number;
+    a rank parked in a collective for a second gets it read at once."""
+    rec = FakeRecorder(0.1)
+    r = fake_reader(monkeypatch, rec)
+    for _ in range(30):
+        rec.round()
+        r.sample()
+    rec.round()
+    rec.done = rec.seq - 1  # parked in rec.seq from now on
+    ops = []
+    for _ in range(8):
+        rec.now += 0.2
+        ops.append(r.sample()[0].last_op)
+    assert ops[-1] == "all_reduce" and ops[0] == ""
+
+
 def test_reader_is_off_without_the_flight_recorder(monkeypatch):
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
     r = FlightRecorderReader()
