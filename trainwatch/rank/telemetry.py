@@ -66,6 +66,9 @@ class Telemetry:
         self._phase_name = "init"
         self._phase_since = now
         self._wait_s = 0.0
+        self._nograd_since = 0.0
+        """When the outermost open no_grad / inference_mode block began (0: none)."""
+        self._nograd_marked = False
         self._loss = math.nan
         self._grad_norm = math.nan
         self._step_s = math.nan
@@ -201,6 +204,27 @@ class Telemetry:
         self._writer.write_step(self._step, self._loss, self._grad_norm, self._step_s, self._compute_s, self._last,
                                 self._start, self._phase, self._phase_since, self.py_collectives,
                                 step_source=self._source)
+
+    FORWARD_ONLY_S = 1.0
+    """An outermost no_grad / inference_mode block open this long is published as
+    the `eval` phase by the sampler: forward-only work (a rollout, an evaluation
+    without model.eval()), as lenient as an evaluation pass (s)."""
+
+    def end_forward_only(self) -> None:
+        """The outermost no_grad block ended: leave the `eval` phase the sampler put it in."""
+        self._nograd_since = 0.0
+        if self._nograd_marked:
+            self._nograd_marked = False
+            if self._phase == _EVAL:
+                self._set_phase(_COMPUTE, "compute", _monotonic())
+
+    def _publish_forward_only(self, now: float) -> None:
+        """Sampler side: a long outermost no_grad block is the `eval` phase from its start."""
+        since = self._nograd_since
+        if since and not self._nograd_marked and now - since >= self.FORWARD_ONLY_S \
+                and self._phase in (_COMPUTE, _INIT, _DATA):
+            self._nograd_marked = True
+            self._set_phase(_EVAL, "eval", since)
 
     def mark_active(self) -> None:
         """Forward-only progress (an eval forward, a batch fetched): the hang
@@ -346,6 +370,7 @@ class Telemetry:
         with self._sample_lock:
             # Refreshed every round: the default group may be destroyed and re-created.
             self._seq_fn = flightrec.default_group_seq()
+            self._publish_forward_only(time.monotonic())
             groups = self._fr.sample()
             if groups is None:
                 groups = [slots.CollectiveGroup(0, self.py_collectives, self.py_collectives, self.last_py_op)]
@@ -366,6 +391,8 @@ _monotonic = time.monotonic
 _INIT = slots.PHASE_CODES["init"]
 _COMPUTE = slots.PHASE_CODES["compute"]
 _COLLECTIVE = slots.PHASE_CODES["collective"]
+_EVAL = slots.PHASE_CODES["eval"]
+_DATA = slots.PHASE_CODES["data"]
 
 
 # ---- process-wide handle -------------------------------------------------------
