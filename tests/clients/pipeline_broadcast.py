@@ -6,7 +6,8 @@ the loss and ``send``s the activation gradients back; each stage steps its
 own optimizer; then every rank joins ``dist.broadcast(loss, src=last)`` so
 all of them can log it (and decide, say, on early stopping). Stage 0 waits
 for the gradients before its backward, so it always reaches the broadcast
-last: by design, not a straggler.
+last, by the last stage's head time (``--head-s``) after its peer: by
+design, not a straggler.
 
 Ranks: 2 (one per stage). Backend: gloo on CPU.
 """
@@ -27,6 +28,7 @@ def main():
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage-work", type=int, default=3, help="extra matmuls per stage (compute per step)")
+    p.add_argument("--head-s", type=float, default=0.1, help="seconds of the last stage's heavier head per step")
     p.add_argument("--sleep", type=float, default=0.0)
     args = p.parse_args()
 
@@ -57,6 +59,7 @@ def main():
             dist.recv(inp, src=0)
             inp.requires_grad_(True)
             loss = nn.functional.mse_loss(head(stage(inp)), y)
+            time.sleep(args.head_s)  # the heavier loss head (a vocabulary projection, say)
             loss.backward()
             dist.send(inp.grad, dst=0)
             loss_value.fill_(loss.item())
