@@ -48,7 +48,6 @@ from trainwatch.watchdog.detectors.base import (
     WAIT_CODES,
     ActivityTracker,
     Detector,
-    OtherWork,
     PhaseLearner,
     RankRing,
     StepTracker,
@@ -58,6 +57,7 @@ from trainwatch.watchdog.detectors.base import (
     phase_name,
     row_quantile,
 )
+from trainwatch.watchdog.detectors.work import OtherWork
 from trainwatch.watchdog.incident import Incident, describe_ranks, format_ranks
 
 _DONE = slots.PHASE_CODES["done"]

@@ -17,7 +17,7 @@ whose extra time is in data, optimizer or other is a culprit; a rank whose
 extra time is in backward (or in a collective phase the sidecar saw it in)
 only waited, and is named as a victim. Steps during which the sidecar saw the
 rank in a checkpoint, eval or init phase, or doing forward-only work late in
-the step (an RL rollout: `base.OtherWork`), are honest pauses and never count
+the step (an RL rollout: `work.OtherWork`), are honest pauses and never count
 nor enter the baseline, nor do the waits of its peers at the same time. When every slow rank only
 waited and no rank here explains it, the spike is a communication stall, a
 slow rank on another node, or a rank slowed inside backward itself (reported
@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trainwatch import slots
-from trainwatch.watchdog.detectors.base import Detector, OtherWork, StepTracker, TickView, grow, row_median
+from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, row_median
+from trainwatch.watchdog.detectors.work import OtherWork
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
 log = logging.getLogger("trainwatch.steptime")
