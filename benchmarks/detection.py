@@ -13,8 +13,11 @@ incident's culprit and kind (goal 1.0; healthy_before_detection counts polls
 between the fault and its detection that said `healthy`). Then: a healthy
 200-step run with checkpoints and a slow first step (false incidents); the
 client corpus (tests/clients/: Fabric, Lightning, accelerate, FSDP, pipeline,
-eval loops, ...) run healthy and unmodified, twice, beside a CPU-hog process
-(false_incidents_clients, goal 0); the sidecar's CPU use at 8 ranks, and one
+eval loops, RL rollouts, ...) run healthy and unmodified, twice, beside a
+CPU-hog process (false_incidents_clients: incidents of every kind, alert-only
+ones included; goal 0); hang_in_validating_script_s, a compute hang in an
+unmodified script that validates every 10 steps (goal <= 2 x hang_steady_s,
+the same hang in the steady trainer job); the sidecar's CPU use at 8 ranks, and one
 detector round over 4096 synthetic ranks.
 
 Progress goes to stderr; the LAST stdout line is one JSON object.
@@ -40,6 +43,9 @@ TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", "1
 GLOO_TIMEOUT = "hangs until gloo's 30 min collective timeout, then fails with no culprit named"
 FAULTS = {
     "hang_compute": (f"hang:where=compute,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
+    # The same compute hang in an unmodified script that validates every 10 steps (FAULT_WORKLOAD):
+    # the validation steps must not inflate the training-step threshold (goal <= 2x hang_compute).
+    "hang_in_validating_script": (f"hang:where=compute,rank={CULPRIT},step=45", "hang", GLOO_TIMEOUT),
     "hang_gc": (f"hang:where=gc,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
     "hang_dataloader": (f"hang:where=dataloader,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
     "hang_checkpoint": (f"hang:where=checkpoint,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
@@ -69,7 +75,12 @@ FAULTS = {
 
 FAULT_FLAGS = {"loss_rise": ["--trend-window-steps", "100"]}
 """Extra watchdog flags of a fault's run (documented launch flags, not code changes)."""
-FAULT_WORKLOAD = {"straggler_zero_code": [str(ROOT / "tests" / "scripts" / "plain_ddp.py"), "--steps", "100000"]}
+FAULT_WORKLOAD = {
+    "straggler_zero_code": [str(ROOT / "tests" / "scripts" / "plain_ddp.py"), "--steps", "100000"],
+    # 2 s validation passes (4 batches of 0.5 s) every 10 steps of ~0.05 s.
+    "hang_in_validating_script": [str(ROOT / "tests" / "clients" / "ddp_validation.py"), "--steps", "100000",
+                                  "--val-every", "10", "--val-sleep", "0.5", "--sleep", "0.05"],
+}
 """Faults run in another workload than the integrated trainer (TRAINER)."""
 
 
@@ -265,6 +276,8 @@ def main() -> None:
             sum(f["incidents_per_fault"] for f in detected) / len(detected), 3),
         "verdict_agrees": None if not detected else round(
             sum(f["verdict_agrees"] or 0.0 for f in detected) / len(detected), 3),
+        "hang_in_validating_script_s": faults.get("hang_in_validating_script", {}).get("latency_s"),
+        "hang_steady_s": faults.get("hang_compute", {}).get("latency_s"),
         "false_incidents": false_incidents,
         "false_incidents_clients": None if clients is None else sum(c["incidents"] for c in clients.values()),
         "restarts_clients": None if clients is None else sum(c["restarts"] for c in clients.values()),

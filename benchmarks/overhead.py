@@ -11,6 +11,13 @@ the same run with the same ranks: each rank alternates blocks of steps with
 the full instrumentation (phases + step record + sampler thread) and blocks
 without, ON/OFF interleaved so machine drift hits both equally.
 
+zero_code_*: an unmodified DDP script with 10 collectives per step
+(benchmarks/scripts/collective_heavy.py: DDP's gradient all-reduce and nine
+metric all-reduces) run whole under `trainwatch launch` and under plain
+torchrun, alternately, `--zero-code-pairs` times: median step time ratio
+(goal <= 1.02) and CPU time per step of the ranks, all their threads
+(sampler included), ratio (goal <= 1.03).
+
 Prints progress to stderr; the LAST line on stdout is one JSON object.
 """
 
@@ -132,6 +139,50 @@ def measure_step_ratio(args: argparse.Namespace) -> dict:
     return {"step_ms_on": round(on * 1e3, 3), "step_ms_off": round(off * 1e3, 3), "ratio": on / off, "steps": len(times["on"])}
 
 
+def _zero_code_run(launcher: str, ranks: int, steps: int) -> tuple[float, float]:
+    """(median step s, CPU s per step summed over ranks) of one run of the collective-heavy script."""
+    import subprocess
+    from pathlib import Path
+
+    from common import BIN, ROOT, env_for, new_home
+
+    home = new_home("overhead")
+    out = str(home / "times")
+    script = str(ROOT / "benchmarks" / "scripts" / "collective_heavy.py")
+    if launcher == "trainwatch":
+        cmd = [str(BIN / "trainwatch"), "launch", "--nproc-per-node", str(ranks), "--job", "overhead", "--no-restart"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    r = subprocess.run([*cmd, script, "--steps", str(steps), "--out", out], env=env_for(home), cwd=str(ROOT),
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"{launcher} run failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+    per_rank = [json.loads(Path(f"{out}.rank{k}.json").read_text()) for k in range(ranks)]
+    step_s = statistics.median(statistics.median(p["step_s"]) for p in per_rank)
+    cpu = sum(p["cpu_s"] / len(p["step_s"]) for p in per_rank)
+    return step_s, cpu
+
+
+def measure_zero_code(ranks: int, pairs: int, steps: int) -> dict:
+    runs: dict[str, list[tuple[float, float]]] = {"trainwatch": [], "torchrun": []}
+    for pair in range(pairs):
+        order = ("trainwatch", "torchrun") if pair % 2 == 0 else ("torchrun", "trainwatch")
+        for launcher in order:
+            runs[launcher].append(_zero_code_run(launcher, ranks, steps))
+        tw, tr = runs["trainwatch"][-1], runs["torchrun"][-1]
+        print(f"  pair {pair + 1}/{pairs}: trainwatch {tw[0] * 1e3:.2f} ms/step, {tw[1] * 1e3:.2f} ms CPU; "
+              f"torchrun {tr[0] * 1e3:.2f} ms/step, {tr[1] * 1e3:.2f} ms CPU", file=sys.stderr, flush=True)
+    med = {k: (statistics.median(v[0] for v in vs), statistics.median(v[1] for v in vs)) for k, vs in runs.items()}
+    return {
+        "zero_code_step_ratio": round(med["trainwatch"][0] / med["torchrun"][0], 4),
+        "zero_code_cpu_ratio": round(med["trainwatch"][1] / med["torchrun"][1], 4),
+        "zero_code_step_ms": {k: round(v[0] * 1e3, 3) for k, v in med.items()},
+        "zero_code_cpu_ms_per_step": {k: round(v[1] * 1e3, 3) for k, v in med.items()},
+        "zero_code_collectives_per_step": 10,
+        "zero_code_pairs": pairs,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
@@ -141,24 +192,31 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one rank per GPU (ranks beyond the GPUs share them), NCCL")
+    p.add_argument("--zero-code-pairs", type=int, default=3, help="trainwatch/torchrun run pairs (0 = skip)")
+    p.add_argument("--zero-code-steps", type=int, default=400)
+    p.add_argument("--skip-trainer", action="store_true", help="only the zero-code row")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print("measuring record cost ...", file=sys.stderr, flush=True)
-    record_ns = measure_record_ns()
-    print(f"  record_ns = {record_ns:.0f}", file=sys.stderr, flush=True)
-    print(f"measuring step overhead: {args.ranks} ranks, model {args.model_size}, "
-          f"{args.pairs} interleaved pairs of {args.block}-step blocks ...", file=sys.stderr, flush=True)
-    step = measure_step_ratio(args)
-    result = {
-        "record_ns": round(record_ns, 1),
-        "step_overhead_ratio": round(step["ratio"], 4),
-        "step_ms_with": step["step_ms_on"],
-        "step_ms_without": step["step_ms_off"],
-        "steps_per_side": step["steps"],
-        "ranks": args.ranks,
-        "model_size": args.model_size,
-        "device": args.device,
-    }
+    result: dict = {"ranks": args.ranks, "device": args.device}
+    if not args.skip_trainer:
+        print("measuring record cost ...", file=sys.stderr, flush=True)
+        record_ns = measure_record_ns()
+        print(f"  record_ns = {record_ns:.0f}", file=sys.stderr, flush=True)
+        print(f"measuring step overhead: {args.ranks} ranks, model {args.model_size}, "
+              f"{args.pairs} interleaved pairs of {args.block}-step blocks ...", file=sys.stderr, flush=True)
+        step = measure_step_ratio(args)
+        result.update({
+            "record_ns": round(record_ns, 1),
+            "step_overhead_ratio": round(step["ratio"], 4),
+            "step_ms_with": step["step_ms_on"],
+            "step_ms_without": step["step_ms_off"],
+            "steps_per_side": step["steps"],
+            "model_size": args.model_size,
+        })
+    if args.zero_code_pairs > 0:
+        print(f"zero-code: 10 collectives per step, trainwatch launch vs torchrun, {args.zero_code_pairs} pairs "
+              f"of {args.zero_code_steps}-step runs ...", file=sys.stderr, flush=True)
+        result.update(measure_zero_code(args.ranks, args.zero_code_pairs, args.zero_code_steps))
     print(json.dumps(result))
 
 

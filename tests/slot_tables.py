@@ -36,6 +36,7 @@ def make_table(
     t["rank"] = r
     t["local_rank"] = r
     t["world_size"] = n
+    t["step_source"] = slots.STEP_REPORTED  # as the trainer API publishes: every loss rule applies
     t["step"] = step
     t["loss"] = loss
     t["grad_norm"] = grad_norm

@@ -1,12 +1,16 @@
 """Real training scripts, unmodified, under `trainwatch launch` (tests/clients/):
-Lightning Fabric and Trainer, accelerate, FSDP2, a pipeline-parallel microbatch
-loop, validation passes, metric all-reduces after the step, gradient
-accumulation, a script with its own checkpoints, torch.compile.
+Lightning Fabric and Trainer (also with strategy and devices from flags),
+accelerate, FSDP2, pipeline-parallel loops (microbatches; an end-of-step
+broadcast the first stage always reaches last), validation passes (also
+inside the step), metric all-reduces after the step, gradient accumulation,
+a script with its own checkpoints, torch.compile, an RL loop with no-grad
+rollouts and a rising value loss.
 
-Healthy, each must finish with 0 incidents and 0 restarts, show its steps and
+Healthy, each must finish with 0 incidents of any kind (alert-only ones
+included) and 0 restarts, show its steps and
 loss in `diagnose --json`, and exit as plain torchrun does. With one injected
 hang, each must produce exactly one incident naming the right rank, restart,
-and finish."""
+and finish: the run after the restart is a healthy run, with no incident."""
 
 from __future__ import annotations
 
@@ -35,6 +39,11 @@ CLIENTS = {
     "ddp_grad_accum.py": (4, ["--steps", "30"], "hang:where=dataloader,rank=2,step=12", 2),
     "ddp_own_checkpoint.py": (2, ["--steps", "60", "--ckpt-every", "20"], "hang:where=checkpoint,rank=1,step=25", 1),
     "ddp_compile.py": (2, ["--steps", "40"], "hang:where=dataloader,rank=1,step=12", 1),
+    "lightning_ddp_flags.py": (2, ["--steps", "40", "--strategy", "ddp", "--devices", "auto"],
+                               "hang:where=compute,rank=1,step=12", 1),
+    "rl_rollouts.py": (2, ["--steps", "40"], "hang:where=compute,rank=1,step=12", 1),
+    "pipeline_broadcast.py": (2, ["--steps", "60"], "hang:where=compute,rank=1,step=12", 1),
+    "ddp_validation_in_step.py": (2, ["--steps", "60"], "hang:where=compute,rank=1,step=25", 1),
 }
 
 
@@ -45,6 +54,9 @@ SLOW_EVAL = {
     "lightning_trainer.py": ["--val-every", "20", "--val-sleep", "0.7"],  # 10 batches: 7 s
     "accelerate_loop.py": ["--eval-every", "20", "--val-sleep", "1.75"],  # 4 batches: 7 s
     "ddp_validation.py": ["--val-every", "30", "--val-sleep", "1.75"],  # 4 batches: 7 s
+    "lightning_ddp_flags.py": ["--val-every", "20", "--val-sleep", "0.9"],  # 8 batches: 7 s
+    "ddp_validation_in_step.py": ["--val-every", "20", "--val-sleep", "3.5"],  # 2 batches: 7 s, inside a step
+    "rl_rollouts.py": ["--act-sleep", "0.1"],  # 64-step no-grad rollouts: 6.4 s between updates
 }
 
 

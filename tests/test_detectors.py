@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from slot_tables import SyncJob, TimelineJob, make_table, rank_exit, set_ring, set_rows, view
+from trainwatch import slots
 from trainwatch.watchdog.detectors import (
     REGISTRY,
     CollectiveMismatchDetector,
@@ -21,6 +22,7 @@ from trainwatch.watchdog.detectors import (
     default_detectors,
 )
 from trainwatch.watchdog.detectors.base import RankExit, TickView
+from trainwatch.watchdog.detectors.mismatch import CollectiveMismatchConfig
 from trainwatch.watchdog.detectors.straggler import StragglerConfig, peer_median
 from trainwatch.watchdog.incident import Incident, describe_ranks, format_ranks
 
@@ -438,6 +440,75 @@ def test_mismatch_ras_parked_ranks_on_different_sequence_numbers():
         found += [(v.now, inc) for inc in det.check(v)]
     assert found and found[0][1].culprit_ranks == [0]
     assert found[0][0] >= 104.0 - 1e-9
+
+
+def validation_race(det, *, starve_s: float):
+    """Two healthy ranks in a long validation pass (no step for seconds) meet
+    in eval all-reduces. At 106.0 rank 0's sampler reads it parked in 357;
+    rank 0 then finishes 357 and computes while its sampler thread is starved
+    for `starve_s`; rank 1 waits in 358 meanwhile. Rank 0 then joins 358."""
+    t = make_table(2, now=100.0, step=30, step_s=0.5, phase="collective", enqueued=300)
+    found = []
+    now = 100.0
+    while now < 112.0:
+        now = round(now + 0.1, 6)
+        v = view(t, now)
+        seq = 300 + int((now - 100.0) * 10)
+        if now < 106.0:  # both move through the pass's collectives
+            set_rows(t, [0, 1], enqueued=seq, completed=seq - 1, heartbeat_mono=now)
+        elif now < 106.0 + starve_s:
+            set_rows(t, 0, enqueued=357, completed=356)  # the starved sampler's last read
+            set_rows(t, 1, enqueued=358, completed=357, heartbeat_mono=now)
+            if now < 106.05:
+                set_rows(t, 0, heartbeat_mono=now)
+        else:
+            set_rows(t, [0, 1], enqueued=358, completed=358, heartbeat_mono=now, phase="data")
+        v = view(t, now)
+        found += det.check(v)
+    return found
+
+
+def test_mismatch_ras_off_by_one_snapshot_of_a_starved_sampler_is_not_a_mismatch():
+    """The healthy-run false restart ("1 rank have launched up to operation 358;
+    rank 0 only up to 357"): rank 0's numbers were read once, before it moved on.
+    One read is not evidence: a position is compared only once later sampler
+    rounds of the same rank read it again."""
+    assert validation_race(CollectiveMismatchDetector(), starve_s=1.9) == []
+    # Without the re-read requirement the same snapshot was a mismatch.
+    old = CollectiveMismatchDetector(CollectiveMismatchConfig(settle_s=1.0, settle_rounds=0))
+    assert [i.culprit_ranks for i in validation_race(old, starve_s=1.9)][:1] == [[0]]
+
+
+def test_mismatch_ras_off_by_one_closed_by_the_next_sample_is_never_a_mismatch():
+    """Ranks read one apart at every other sample, each gap closed by the next."""
+    det = CollectiveMismatchDetector()
+    t = make_table(2, now=100.0, step=30, phase="collective", enqueued=500)
+    for i in range(1, 120):
+        now = 100.0 + i * 0.1
+        seq = 500 + i // 2
+        set_rows(t, 0, enqueued=seq, completed=seq - 1, heartbeat_mono=now)
+        set_rows(t, 1, enqueued=seq + (i % 2), completed=seq - 1 + (i % 2), heartbeat_mono=now)
+        assert det.check(view(t, now)) == []
+
+
+def test_mismatch_ras_across_nodes_from_half_second_summaries():
+    """On the multi-node aggregator a node's rows arrive twice a second with
+    rebased times that jitter: the true desync is still found, with its node."""
+    det = CollectiveMismatchDetector()
+    t = stalled_table(100.0)
+    set_rows(t, 3, enqueued=811, completed=810)
+    nodes = ["a", "a", "b", "b"]
+    rng = np.random.default_rng(3)
+    found = []
+    for i in range(1, 120):
+        now = 100.0 + i * 0.1
+        if i % 5 == 0:  # a summary: heartbeats as read, rebased with jitter
+            t["heartbeat_mono"] = now + rng.uniform(-0.1, 0.1, 4)
+        found += [(now, inc) for inc in det.check(view(t, now, nodes=nodes))]
+    assert found
+    when, inc = found[0]
+    assert inc.culprit_ranks == [3] and inc.victims == [0, 1, 2]
+    assert when < 106.0
 
 
 def test_mismatch_ras_abstains_while_a_rank_is_stuck_elsewhere():
@@ -1001,6 +1072,71 @@ def test_hang_after_eval_stops_progressing_says_for_how_long():
     assert "no progress for 6.0 s" in inc.summary  # measured from its last batch, not "0.0 s"
 
 
+def other_work_step(det, job, seconds, *, phase="eval", fetch=True) -> list[Incident]:
+    """One step that contains `seconds` of other work: an evaluation pass (eval
+    phase, batches fetched) or, with phase="compute" and fetch=False, an RL
+    rollout (finished no_grad blocks only), ticked every 0.1 s."""
+    out = []
+    t0 = job.now
+    ranks = list(job.table["rank"])
+    set_rows(job.table, ranks, phase=phase, phase_mono=t0 + 0.05)
+    for k in range(1, int(seconds / 0.1)):
+        set_rows(job.table, ranks, active_mono=t0 + k * 0.1)
+        if fetch:
+            job.table["batches"] += 1
+        out += det.check(job.at(t0 + k * 0.1 + 0.05))
+    return out + det.check(job.step(dt=seconds))
+
+
+@pytest.mark.parametrize("phase,fetch", [("eval", True), ("compute", False)], ids=["validation", "rollout"])
+def test_hang_steps_with_other_work_stay_out_of_the_training_threshold(phase, fetch):
+    """A validation pass (or an RL rollout) every 20 steps makes those steps 10 s
+    long: in the step history they would set the threshold to 5 x 10 s. They go
+    to their own history; a compute hang is still named at the floor."""
+    det = HangDetector()
+    job = SyncJob(2, step_s=0.2)
+    found = []
+    for _ in range(3):
+        found += run_steps(det, job, 20)
+        found += other_work_step(det, job, 10.0, phase=phase, fetch=fetch)
+    found += run_steps(det, job, 20)
+    assert found == []
+    set_rows(job.table, 1, phase="forward")
+    set_rows(job.table, 0, phase="collective")
+    assert det.check(job.at(job.now + 4.0)) == []
+    [inc] = det.check(job.at(job.now + 5.5))
+    assert inc.culprit_ranks == [1]
+
+
+def test_hang_a_rollout_the_job_never_showed_gets_the_slow_phase_allowance():
+    """Forward-only work late in a step marks the step as other work at once: a
+    long single no_grad block with nobody waiting is not hung at the floor."""
+    det = HangDetector()
+    job = SyncJob(2, step_s=0.2)
+    run_steps(det, job, 30)
+    t0 = job.now
+    set_rows(job.table, [0, 1], phase="compute", active_mono=t0 + 1.5)
+    assert det.check(job.at(t0 + 1.6)) == []
+    assert det.check(job.at(t0 + 20.0)) == []  # one no_grad generate() of 18 s
+    assert len(det.check(job.at(t0 + 62.0))) == 1
+
+
+def test_hang_slow_batch_fetches_are_training_work_not_other_work():
+    """A data stall (batches fetched late in the step) stays in the step history."""
+    det = HangDetector()
+    job = SyncJob(2, step_s=0.2)
+    run_steps(det, job, 10)
+    other = []
+    for _ in range(5):
+        t0 = job.now
+        set_rows(job.table, [0, 1], phase="data", active_mono=t0 + 2.0)
+        job.table["batches"] += 1
+        det.check(job.at(t0 + 2.05))
+        det.check(job.step(dt=2.1))
+        other.append(bool(det.other.kind.size) and det._other_s.counts(np.array([0]))[0] > 0)
+    assert not any(other)
+
+
 def busy(job, ranks, t0, seconds, *, cpu=1.0, io=0.0):
     """Heartbeats every 0.2 s with CPU time (and I/O) advancing at these rates."""
     out = []
@@ -1104,3 +1240,56 @@ def test_hang_first_collective_gets_the_warmup_allowance():
     set_rows(job.table, [2, 3], enqueued=6)
     for k in range(1, 100):
         assert det.check(job.at(1.0 + k * 0.5)) == []
+
+
+# ---- which loss is judged (--loss-health) ----------------------------------------------
+
+
+def zero_code(job: SyncJob) -> SyncJob:
+    """Steps counted by the zero-code hooks: the loss is whatever backward() ran on."""
+    job.table["step_source"] = slots.STEP_COUNTED
+    return job
+
+
+def test_loss_health_auto_judges_an_unmodified_scripts_loss_for_nan_only():
+    """An RL value loss rises as returns grow, and jumps: an unmodified script's
+    loss is not judged by the spike rule; a NaN still is, and says which loss."""
+    from trainwatch.watchdog.detectors.loss import LossHealthConfig
+
+    det = LossHealthDetector()
+    job = zero_code(SyncJob(2))
+    rng = np.random.default_rng(2)
+    for _ in range(40):
+        assert det.check(job.step(loss=2.0 + rng.normal(0, 0.02, 2), grad_norm=np.ones(2))) == []
+    assert det.check(job.step(loss=np.array([2.0, 9.0]), grad_norm=np.array([1.0, 800.0]))) == []
+    [inc] = det.check(job.step(loss=np.array([2.0, np.nan]), grad_norm=np.full(2, np.nan)))
+    assert inc.kind == "loss_nan" and inc.culprit_ranks == [1]
+    assert inc.evidence["loss_watched"] == "the loss backward() ran on (unmodified script)"
+    # --loss-health full: the same spike is a spike
+    det = LossHealthDetector(LossHealthConfig(health="full"))
+    job = zero_code(SyncJob(2))
+    for _ in range(40):
+        det.check(job.step(loss=2.0 + rng.normal(0, 0.02, 2), grad_norm=np.ones(2)))
+    kinds = [i.kind for i in det.check(job.step(loss=np.array([2.0, 9.0]), grad_norm=np.ones(2)))]
+    assert kinds == ["loss_spike"]
+    # --loss-health off: not even a NaN
+    det = LossHealthDetector(LossHealthConfig(health="off"))
+    job = zero_code(SyncJob(2))
+    for _ in range(5):
+        det.check(job.step(loss=np.full(2, 2.0), grad_norm=np.ones(2)))
+    assert det.check(job.step(loss=np.array([2.0, np.nan]), grad_norm=np.ones(2))) == []
+
+
+def test_loss_health_declared_loss_gets_every_rule_and_says_so():
+    det = LossHealthDetector()
+    job = loss_job(det, steps=40)  # tw.step(loss=...) (STEP_REPORTED)
+    [inc] = det.check(job.step(loss=np.array([2.0, 2.0, 6.0, 2.0]), grad_norm=np.ones(4)))
+    assert inc.kind == "loss_spike"
+    assert inc.evidence["loss_watched"] == "the loss passed to tw.step() (declared)"
+
+
+def test_loss_health_mode_is_validated():
+    from trainwatch.watchdog.detectors.loss import LossHealthConfig
+
+    with pytest.raises(ValueError, match="--loss-health must be one of auto, off, nan-only, full"):
+        LossHealthConfig(health="some")

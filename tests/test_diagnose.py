@@ -161,6 +161,33 @@ def test_diagnose_knows_a_job_the_moment_launch_starts(home, capsys):
     assert not (home / "jobs" / "early-job").exists()  # a failed launch leaves nothing behind
 
 
+def test_launch_is_announced_before_anything_heavy_is_imported(home, capsys):
+    """`trainwatch launch` announces the job (diagnose: `starting`, no ranks) from
+    a module that imports neither numpy nor the watchdog's configuration: the
+    second or more those take on a busy host is no longer a window in which
+    diagnose answers `unknown job`."""
+    import subprocess
+    import sys
+
+    from trainwatch.views import diagnose
+    from trainwatch.watchdog import prescan
+
+    probe = ("import sys, trainwatch.watchdog.prescan; "
+             "print(sorted(m for m in ('numpy', 'torch', 'trainwatch.watchdog.config') if m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    name, marker, lock = prescan.announce(["--nproc-per-node", "2", "--job", "announced", "train.py"])
+    try:
+        assert name == "announced"
+        assert diagnose.main(["announced", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["status"] == "starting" and report["ranks"] == []
+        with pytest.raises(state.StateError):  # one live run per job name, from the first moment
+            prescan.announce(["--job", "announced", "train.py"])
+    finally:
+        marker.withdraw_launch(failed=True)
+        lock.release()
+
+
 def test_verdict_and_hang_detector_name_the_same_culprit():
     """One culprit rule: the sidecar's incident and diagnose's verdict agree."""
     from slot_tables import SyncJob, set_rows

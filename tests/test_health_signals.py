@@ -307,3 +307,24 @@ def test_zero_code_slow_step_lands_in_its_phase(tmp_path):
     last = recs[-1]
     assert last["peak_step_s_step"] == 3 and last["peak_backward_s"] >= 0.6 and last["peak_step_s"] >= 0.6
     assert recs[2]["backward_s"] >= 0.6 and all(r["backward_s"] < 0.6 for r in recs[3:])
+
+
+def test_a_long_no_grad_block_is_published_as_eval_and_left_when_it_ends(segment):
+    """An RL rollout under one `torch.no_grad()`: no progress until it ends. Once
+    open FORWARD_ONLY_S the sampler publishes it as `eval` from its start; the
+    block's end returns the rank to `compute`. A short block changes nothing."""
+    tw = handle(segment)
+    tw.set_phase("compute")
+    start = 1000.0
+    tw._nograd_since = start
+    tw._publish_forward_only(start + 0.5)  # short so far: nothing
+    assert slots.phase_name(row(segment)["phase"]) == "compute"
+    tw._publish_forward_only(start + tw.FORWARD_ONLY_S + 0.1)
+    r = row(segment)
+    assert slots.phase_name(r["phase"]) == "eval" and r["phase_mono"] == start
+    tw.end_forward_only()
+    assert slots.phase_name(row(segment)["phase"]) == "compute" and tw._nograd_since == 0.0
+    # a block that ends before the sampler looks never leaves a trace
+    tw._nograd_since = start + 10
+    tw.end_forward_only()
+    assert slots.phase_name(row(segment)["phase"]) == "compute"

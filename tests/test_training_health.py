@@ -354,6 +354,39 @@ def test_checkpoint_and_eval_steps_are_honest(pause):
     assert det.check(job.at(job.now + 5.0)) == []  # nor a stall afterwards
 
 
+def test_a_whole_node_slowing_is_one_node_observation_not_a_rank_alert():
+    """Every rank of the node slow in data at the same step (a busy host): no rank
+    is behind its peers; one node-level observation, no incident."""
+    det, job = step_job(n=2)
+    assert slow_step(det, job, np.full(2, 1.7), data_s=np.full(2, 1.52)) == []
+    assert det.check(job.at(job.now + 2.0)) == []
+    [obs] = det.node_slowdowns
+    assert obs["ranks"] == [0, 1] and obs["excess_s"] >= 1.4
+    # one rank of the two: a rank alert as before
+    det, job = step_job(n=2)
+    [inc] = slow_step(det, job, np.full(2, 1.7), data_s=np.array([1.52, 0.02]), backward_s=np.array([0.1, 1.6]))
+    assert inc.culprit_ranks == [0] and det.node_slowdowns == []
+
+
+@pytest.mark.parametrize("phase,fetch", [("eval", True), ("compute", False)], ids=["validation", "rollout"])
+def test_a_step_that_contained_a_validation_pass_or_a_rollout_is_no_spike(phase, fetch):
+    """The validation pass re-enters the eval phase at every batch (its phase start
+    moves), and a rollout shows only finished no_grad blocks: neither step is a spike."""
+    det, job = step_job()
+    t0 = job.now
+    set_rows(job.table, [0, 1, 2, 3], phase=phase, phase_mono=t0 + 0.05)
+    for k in range(1, 60):  # 6 s of batches 0.1 s apart
+        now = t0 + 0.1 * k
+        set_rows(job.table, [0, 1, 2, 3], active_mono=now, **({"phase_mono": now} if phase == "eval" else {}))
+        if fetch:
+            job.table["batches"] += 1
+        assert det.check(job.at(now + 0.02)) == []
+    set_rows(job.table, [0, 1, 2, 3], phase="data")
+    assert slow_step(det, job, np.full(4, 6.2)) == []
+    assert det.check(job.at(job.now + 5.0)) == []
+    assert all(det.check(job.step(dt=0.2)) == [] for _ in range(5))  # nor the baseline moved
+
+
 def test_all_ranks_waiting_is_a_low_communication_stall_after_the_grace():
     det, job = step_job()
     assert slow_step(det, job, np.full(4, 6.2), backward_s=np.full(4, 6.1)) == []
@@ -547,3 +580,20 @@ def test_gradient_overflow_under_a_loss_scaler_is_not_a_nan_incident():
     job.table["loss_scale"] = np.array([np.nan, 65536.0])
     [inc] = det.check(job.step(loss=np.array([2.0, np.nan]), grad_norm=np.array([np.inf, 1.0])))
     assert inc.kind == "loss_nan" and inc.culprit_ranks == [1] and inc.victims == [0]
+
+
+def test_a_rising_loss_of_an_unmodified_script_is_no_trend_unless_asked():
+    """PPO's value loss rises as returns grow: in an unmodified script (steps
+    counted by the zero-code hooks) the falling-loss rule is off by default."""
+    def rising(i):
+        return np.full(4, 2.0 * (1 + 0.002 * i))
+
+    def zero_code_run(det):
+        job = SyncJob(4)
+        job.table["step_source"] = slots.STEP_COUNTED
+        rng = np.random.default_rng(0)
+        return [inc for i in range(1000) for inc in det.check(job.step(loss=rising(i) * (1 + rng.normal(0, 0.05, 4))))]
+
+    assert zero_code_run(LossTrendDetector()) == []
+    found = zero_code_run(LossTrendDetector(loss_health="full"))
+    assert found and found[0].evidence["loss_watched"] == "the loss backward() ran on (unmodified script)"

@@ -21,6 +21,6 @@ __all__ = ["init", "__version__"]
 
 def init(**kwargs):
     """Return this process's telemetry handle (see trainwatch.rank.telemetry.Telemetry)."""
-    from trainwatch.rank.telemetry import init as _init
+    from trainwatch.rank.handle import init as _init
 
     return _init(**kwargs)

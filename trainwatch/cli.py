@@ -24,10 +24,17 @@ USAGE = """trainwatch {launch,doctor,diagnose,explain,jobs,runbook,report,dashbo
 
 
 def cmd_launch(argv: list[str]) -> int:
+    # Announced first: `diagnose` knows the job while the launcher imports the rest.
+    from trainwatch.watchdog.prescan import announce
+
+    try:
+        announced = announce(argv)
+    except state.StateError as e:
+        return fail(str(e))
     from trainwatch.watchdog.launcher import LaunchError, launch
 
     try:
-        return launch(argv)
+        return launch(argv, announced)
     except LaunchError as e:
         return fail(str(e))
 

@@ -33,6 +33,7 @@ import runpy
 import sys
 import traceback
 import weakref
+from time import monotonic as _monotonic
 
 import trainwatch
 
@@ -245,14 +246,27 @@ def _after_update(original, tw, reader):
 
 
 def _mark_on_exit(cls, tw) -> None:
-    """A finished no_grad / inference_mode block is forward-only progress."""
+    """A finished no_grad / inference_mode block is forward-only progress. The
+    outermost block entered with gradients on is also timed (one float store):
+    one that lasts (an RL rollout, a generate() call) is published as `eval`
+    by the sampler (Telemetry.FORWARD_ONLY_S), so it is not taken for a hang."""
+    original_enter = cls.__enter__
     original_exit = cls.__exit__
+    grad_enabled = __import__("torch").is_grad_enabled
+
+    def __enter__(self):
+        if not tw._nograd_since and grad_enabled():
+            tw._nograd_since = _monotonic()
+        return original_enter(self)
 
     def __exit__(self, *exc):
         result = original_exit(self, *exc)
+        if tw._nograd_since and grad_enabled():  # gradients back on: the outermost block ended
+            tw.end_forward_only()
         tw.mark_active()
         return result
 
+    cls.__enter__ = __enter__
     cls.__exit__ = __exit__
 
 

@@ -9,20 +9,17 @@ stuck in a collective (gloo and NCCL waits release the GIL).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import mmap
 import os
-import signal
 import threading
 import time
 from typing import Any, Callable
 
-from trainwatch import env, procctl, slots
-from trainwatch.inject.faults import armed_faults
+from trainwatch import slots
 from trainwatch.inject.hooks import NO_FAULTS, FaultHooks
-from trainwatch.rank import collectives, flightrec, store
+from trainwatch.rank import flightrec
 from trainwatch.rank.phases import ACC_OF, PhaseScope, charge
 from trainwatch.rank.slotwriter import SlotWriter
 
@@ -68,6 +65,9 @@ class Telemetry:
         self._phase_name = "init"
         self._phase_since = now
         self._wait_s = 0.0
+        self._nograd_since = 0.0
+        """When the outermost open no_grad / inference_mode block began (0: none)."""
+        self._nograd_marked = False
         self._loss = math.nan
         self._grad_norm = math.nan
         self._step_s = math.nan
@@ -229,6 +229,27 @@ class Telemetry:
                                 self._start, self._phase, self._phase_since, self.py_collectives,
                                 step_source=self._source)
 
+    FORWARD_ONLY_S = 1.0
+    """An outermost no_grad / inference_mode block open this long is published as
+    the `eval` phase by the sampler: forward-only work (a rollout, an evaluation
+    without model.eval()), as lenient as an evaluation pass (s)."""
+
+    def end_forward_only(self) -> None:
+        """The outermost no_grad block ended: leave the `eval` phase the sampler put it in."""
+        self._nograd_since = 0.0
+        if self._nograd_marked:
+            self._nograd_marked = False
+            if self._phase == _EVAL:
+                self._set_phase(_COMPUTE, "compute", _monotonic())
+
+    def _publish_forward_only(self, now: float) -> None:
+        """Sampler side: a long outermost no_grad block is the `eval` phase from its start."""
+        since = self._nograd_since
+        if since and not self._nograd_marked and now - since >= self.FORWARD_ONLY_S \
+                and self._phase in (_COMPUTE, _INIT, _DATA):
+            self._nograd_marked = True
+            self._set_phase(_EVAL, "eval", since)
+
     def mark_active(self) -> None:
         """Forward-only progress (an eval forward, a batch fetched): the hang
         detector counts it as progress, so evaluation is not a hang."""
@@ -379,6 +400,7 @@ class Telemetry:
         with self._sample_lock:
             # Refreshed every round: the default group may be destroyed and re-created.
             self._seq_fn = flightrec.default_group_seq()
+            self._publish_forward_only(time.monotonic())
             groups = self._fr.sample()
             if groups is None:
                 groups = [slots.CollectiveGroup(0, self.py_collectives, self.py_collectives, self.last_py_op)]
@@ -403,58 +425,5 @@ _monotonic = time.monotonic
 _INIT = slots.PHASE_CODES["init"]
 _COMPUTE = slots.PHASE_CODES["compute"]
 _COLLECTIVE = slots.PHASE_CODES["collective"]
-
-
-# ---- process-wide handle -------------------------------------------------------
-
-_instance: Telemetry | None = None
-_instance_lock = threading.Lock()
-
-
-def init() -> Telemetry:
-    """Return this process's telemetry handle, attaching to the job's slot segment
-    when started by `trainwatch launch` (TRAINWATCH_SLOTS is set)."""
-    global _instance
-    with _instance_lock:
-        if _instance is not None:
-            return _instance
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        restart = int(os.environ.get(env.GENERATION) or os.environ.get(env.RESTART_COUNT, "0"))
-        path = os.environ.get(env.SLOTS)
-        segment: Any = None
-        if path:
-            try:
-                segment = slots.Segment(path)
-                if local_rank >= segment.nslots:
-                    log.warning("trainwatch: local rank %d has no slot in %s; telemetry off", local_rank, path)
-                    segment = None
-            except (OSError, ValueError) as e:
-                log.warning("trainwatch: cannot open telemetry segment %s (%s); telemetry off", path, e)
-                segment = None
-        if segment is None:
-            tw = Telemetry(_Anonymous(), 0, rank=rank, world_size=world, restart=restart, attached=False)
-        else:
-            # After a restart, faults that already fired stay fired (see inject.faults).
-            faults = armed_faults(os.environ.get(env.INJECT), rank, restart)
-            # Launched by trainwatch: never outlive the launcher (a SIGKILLed
-            # launcher would leave ranks training, unwatched, forever).
-            parent = os.environ.get(env.PARENT_PID) or os.environ.get(env.LAUNCHER_PID, "")
-            procctl.die_with_parent(signal.SIGKILL, int(parent) if parent.isdigit() else None)
-            # Past a file-size limit (ulimit -f) a write should fail with EFBIG,
-            # which the checkpoint code reports, not kill the rank with SIGXFSZ.
-            try:
-                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            except ValueError:
-                pass  # init() outside the main thread: signals are not ours to set
-            tw = Telemetry(segment, local_rank, rank=rank, world_size=world, restart=restart, attached=True,
-                           faults=faults)
-            collectives.install(tw)
-            store.install()
-            tw.start_sampler()
-            atexit.register(tw.close)
-        _instance = tw
-        return tw
-
-
+_EVAL = slots.PHASE_CODES["eval"]
+_DATA = slots.PHASE_CODES["data"]

@@ -23,9 +23,8 @@ import uuid
 from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.inject import spec as inject
 from trainwatch.views.summary import failure_summary
-from trainwatch.watchdog import failures, preflight, warmstart
-from trainwatch.watchdog.options import (PREEMPTED_EXIT, LaunchConfig, LaunchError, parse, prescan_job,
-                                         prescan_node_scope)
+from trainwatch.watchdog import failures, prescan, preflight, warmstart
+from trainwatch.watchdog.options import PREEMPTED_EXIT, LaunchConfig, LaunchError, parse
 
 log = logging.getLogger("trainwatch")
 
@@ -112,19 +111,15 @@ def _worker_command(args: argparse.Namespace, cmd, cmd_args: list[str]) -> tuple
     return cmd, cmd_args
 
 
-def launch(argv: list[str]) -> int:
-    early = prescan_job(argv)
-    early = state.generate_job_name() if early is None else early
-    scope = prescan_node_scope(argv)
-    if scope:  # a multi-node job: this node's records apart from the others' (shared homes)
-        os.environ[env.NODE_SCOPE] = scope
-    try:
-        marker = state.JobDir(early)
-        state.ensure_home()
-        lock = liveness.acquire(marker)  # one live run per job name
-    except state.StateError as e:
-        raise LaunchError(str(e)) from None
-    marker.announce_launch()
+def launch(argv: list[str], announced: tuple[str, state.JobDir, liveness.RunLock] | None = None) -> int:
+    """Run the job. `announced`: what `prescan.announce(argv)` returned when the
+    caller announced the launch before importing this module (the CLI does)."""
+    if announced is None:
+        try:
+            announced = prescan.announce(argv)
+        except state.StateError as e:
+            raise LaunchError(str(e)) from None
+    early, marker, lock = announced
     try:
         return _launch(argv, early, marker, lock)
     except LaunchError:

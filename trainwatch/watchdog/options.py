@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -114,39 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# torchrun and trainwatch options that take no value (every other option does).
-_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
-                    "-h", "--help"})
-
-
-def prescan_job(argv: list[str]) -> str | None:
-    """The --job value, read without torchrun's parser (which imports torch):
-    options before the script only. None when not given."""
-    return prescan_option(argv, "--job")
-
-
-def prescan_node_scope(argv: list[str]) -> str | None:
-    """This node's name when the job spans several nodes (its state is kept per
-    node, see env.NODE_SCOPE), else None."""
-    nnodes = prescan_option(argv, "--nnodes") or "1"
-    if nnodes.rpartition(":")[2].strip() in ("", "1"):
-        return None
-    name = prescan_option(argv, "--node-name") or socket.gethostname()
-    return name if state.JOB_NAME_RE.fullmatch(name) else None
-
-
-def prescan_option(argv: list[str], option: str) -> str | None:
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token == option and i + 1 < len(argv):
-            return argv[i + 1]
-        if token.startswith(option + "="):
-            return token.split("=", 1)[1]
-        if not token.startswith("-") or token in ("-m", "--module"):
-            return None  # the script or module: what follows is its own
-        i += 1 if token in _FLAGS or token.startswith("--no-") or "=" in token else 2
-    return None
+# Read before anything heavy is imported (trainwatch.watchdog.prescan); kept importable from here.
+from trainwatch.watchdog.prescan import prescan_job, prescan_node_scope, prescan_option  # noqa: E402,F401
 
 
 def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Namespace, LaunchConfig]:

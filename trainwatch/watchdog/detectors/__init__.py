@@ -53,7 +53,7 @@ REGISTRY: dict[str, Callable[[DetectorsConfig], Detector]] = {
     StragglerDetector.name: lambda c: StragglerDetector(c.straggler),
     LossHealthDetector.name: lambda c: LossHealthDetector(c.loss_health),
     TrainingHealthDetector.name: lambda c: TrainingHealthDetector(c.training_health),
-    LossTrendDetector.name: lambda c: LossTrendDetector(c.loss_trend),
+    LossTrendDetector.name: lambda c: LossTrendDetector(c.loss_trend, loss_health=c.loss_health.health),
     StepTimeDetector.name: lambda c: StepTimeDetector(c.step_time),
 }
 

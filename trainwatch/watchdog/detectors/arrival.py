@@ -45,6 +45,11 @@ What is compared, and what is not:
   backwards, a new process group (sequence numbers going backwards) or a
   change of source starts that rank over.
 
+A straggler falls behind its own baseline too (peers.OwnBaseline): a rank
+that is last by role at every collective since it started (a pipeline's
+first stage reaching the end-of-step broadcast, a rank that logs alone) is
+never reported for it; a rank that was on time and then slowed down is.
+
 The victims are the ranks that arrived earlier than the culprit by at least
 half its lateness: they waited for it.
 """
@@ -58,7 +63,7 @@ import numpy as np
 
 from trainwatch import slots
 from trainwatch.watchdog.detectors.base import TickView, grow, row_median
-from trainwatch.watchdog.detectors.peers import JITTER_SAMPLE, MAD_TO_SIGMA, StepTable, peer_median
+from trainwatch.watchdog.detectors.peers import JITTER_SAMPLE, MAD_TO_SIGMA, OwnBaseline, StepTable, peer_median
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
 _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: consecutive multiples spread evenly
@@ -102,8 +107,10 @@ class ArrivalEvaluator:
         self._top = np.zeros(0, dtype=np.int64)  # highest seq published (restart detection)
         self._floor = np.zeros(0, dtype=np.int64)  # start-up collectives: seq <= floor; -1 not known yet
         self._streak = np.zeros(0, dtype=np.int64)
+        self._late = np.zeros(0, dtype=bool)  # late at the last evaluation, baseline or not
         self._since = np.zeros(0)
         self._cand = np.zeros(0, dtype=np.int64)
+        self._baseline = OwnBaseline()
         self._frontier = -1
         self._current: Incident | None = None
         self.active = False
@@ -112,9 +119,12 @@ class ArrivalEvaluator:
         """The last evaluation's (ranks, median lateness s, fraction last, z) of the judged ranks."""
 
     def slow(self, ranks: np.ndarray) -> np.ndarray:
-        """Which of these ranks the last evaluation found late (reported or still persisting)."""
+        """Which of these ranks the last evaluation found late (reported or still persisting), or
+        late by as much as their own baseline: arrivals that never saw a rank on time (it was slow
+        before the flight recorder came up) do not clear what compute time says of it."""
         inside = (ranks >= 0) & (ranks < len(self._streak))
-        return inside & (self._streak[np.where(inside, ranks, 0)] > 0)
+        at = np.where(inside, ranks, 0)
+        return inside & ((self._streak[at] > 0) | self._late[at])
 
     def _grow(self, size: int) -> None:
         self._pid = grow(self._pid, size, 0)
@@ -123,6 +133,7 @@ class ArrivalEvaluator:
         self._top = grow(self._top, size, 0)
         self._floor = grow(self._floor, size, -1)
         self._streak = grow(self._streak, size, 0)
+        self._late = grow(self._late, size, False)
         self._since = grow(self._since, size, 0.0)
 
     def _reset(self, ranks: np.ndarray) -> None:
@@ -131,6 +142,7 @@ class ArrivalEvaluator:
         self._top[ranks] = 0
         self._floor[ranks] = -1
         self._streak[ranks] = 0
+        self._baseline.reset(ranks)
 
     def check(self, view: TickView, restarted: np.ndarray,
               ratios: Callable[[], dict[int, float]] | None = None) -> Incident | None:
@@ -216,6 +228,7 @@ class ArrivalEvaluator:
         self.covered = np.zeros(0, dtype=np.int64)
         self.judgement = ()
         self._streak[ranks] = 0
+        self._late[ranks] = False
 
     def _evaluate(self, view: TickView, ranks: np.ndarray, judged: np.ndarray, frontier: int, source: str,
                   ratios: Callable[[], dict[int, float]] | None) -> Incident | None:
@@ -249,8 +262,14 @@ class ArrivalEvaluator:
         spread = row_median(np.abs(late[rows[::every]] - lat[::every, None]), counts[rows[::every]])
         mad = max(float(np.median(spread)), _MAD_FLOOR_S)
         z = MAD_TO_SIGMA * lat / mad
-        slow = (lat >= cfg.arrival_min_lateness_s) & (frac >= cfg.arrival_last_fraction) & (z >= cfg.z)
         r = ranks[rows]
+        # Behind its own baseline too: a rank last by role (a pipeline's first
+        # stage at the end-of-step broadcast) is where it always is.
+        behind = lat - self._baseline.update(r, lat)
+        late = (lat >= cfg.arrival_min_lateness_s) & (frac >= cfg.arrival_last_fraction) & (z >= cfg.z)
+        self._late[ranks] = False
+        self._late[r] = late
+        slow = late & (behind >= cfg.arrival_min_lateness_s) & (MAD_TO_SIGMA * behind / mad >= cfg.z)
         self.judgement = (r, lat, frac, z)
         old = self._streak[r]
         self._streak[ranks] = 0  # a rank not judged this time loses its streak
@@ -280,6 +299,7 @@ class ArrivalEvaluator:
             "collectives_compared": {c: int(x) for c, x in zip(culprits, c_n)},
             "jitter_mad_s": round(mad, 6),
             "z": {c: round(float(x), 2) for c, x in zip(culprits, z[is_culprit])},
+            "baseline_lateness_s": {c: round(float(x), 6) for c, x in zip(culprits, (lat - behind)[is_culprit])},
             "slow_for_s": round(float(view.now - self._since[r[is_culprit]].min()), 3),
             "window_collectives": window,
             "seq": int(cols[-1]),

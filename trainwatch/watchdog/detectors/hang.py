@@ -57,6 +57,7 @@ from trainwatch.watchdog.detectors.base import (
     phase_name,
     row_quantile,
 )
+from trainwatch.watchdog.detectors.work import OtherWork
 from trainwatch.watchdog.incident import Incident, describe_ranks, format_ranks
 
 _DONE = slots.PHASE_CODES["done"]
@@ -110,6 +111,9 @@ class HangConfig:
     """Times a phase must be seen ending before its learnt threshold replaces the fixed one (count)."""
     phase_history: int = 64
     """Recent lengths kept per rank and phase for that p99 (count)."""
+    other_work_late_s: float = 1.0
+    """Forward-only progress (a no_grad block, not a batch fetch) this long after a step began, and
+    3 x the rank's median step, makes the step other work (a rollout): kept out of the step history (s)."""
 
     def __post_init__(self) -> None:
         phases = self.learn_phases
@@ -135,6 +139,10 @@ class HangDetector(Detector):
         self.config = config or HangConfig()
         self._steps = StepTracker()
         self._step_s = RankRing(self.config.history)
+        # Steps that contained an evaluation, a checkpoint or a rollout: their
+        # own history, so the training-step threshold stays near the steady step.
+        self.other = OtherWork(late_s=self.config.other_work_late_s)
+        self._other_s = RankRing(self.config.history)
         self.activity = ActivityTracker()
         self.phases = PhaseLearner(self.config.learn_phases, self.config.phase_history,
                                    min_samples=self.config.phase_min_samples)
@@ -157,14 +165,19 @@ class HangDetector(Detector):
         self._p99_fresh = grow(self._p99_fresh, size, False)
         if restarted.any():
             self._step_s.reset(ranks[restarted])
+            self._other_s.reset(ranks[restarted])
             self._p99_fresh[ranks[restarted]] = False
         step_s = t["step_s"]
+        other = self.other.update(t, advanced, restarted, self._median_of)
         # The first step of a process includes start-up and compilation; kept,
         # it would make the threshold lenient for the next `history` steps.
-        push = advanced & ~self._steps.first & np.isfinite(step_s) & (step_s > 0)
+        usable = advanced & ~self._steps.first & np.isfinite(step_s) & (step_s > 0)
+        push = usable & ~other
         if push.any():
             self._step_s.push(ranks[push], step_s[push])
             self._p99_fresh[ranks[push]] = False
+        if (usable & other).any():
+            self._other_s.push(ranks[usable & other], step_s[usable & other])
         cpu_rate, io_rate = self.activity.update(t)
         self.phases.update(t)
 
@@ -196,6 +209,16 @@ class HangDetector(Detector):
         # visibly works through it (a checkpoint being written, an eval running).
         slow_ok = started & in_slow & (active | (not peers_waiting))
         limit[slow_ok] = np.fmax(base[slow_ok], cfg.slow_phase_s)
+        # A step that already contains other work (an evaluation without an
+        # eval marker, a rollout) is held to that kind of step's own history:
+        # k x its p99 once seen, the slow-phase allowance before (a kind of work
+        # the job never showed gets the conservative floor).
+        other_ok = started & self.other.current & ~in_wait & ~done & (active | (not peers_waiting))
+        if other_ok.any():
+            rows = np.nonzero(other_ok)[0]
+            values, counts = self._other_s.window(ranks[rows])
+            seen = np.fmin(cfg.k * row_quantile(values, counts, 0.99), cfg.slow_phase_s)
+            limit[rows] = np.fmax(limit[rows], np.where(counts > 0, seen, cfg.slow_phase_s))
         if not peers_waiting:
             busy = started & ~in_wait & ~in_slow & active
             limit[busy] = np.fmax(base[busy], cfg.busy_s)
@@ -237,6 +260,10 @@ class HangDetector(Detector):
         base = np.fmax(cfg.floor_s, cfg.k * self._p99_of(ranks)) if len(ranks) else np.zeros(0)
         return {"floor_s": cfg.floor_s, "k": cfg.k,
                 "ranks": {str(int(r)): round(float(b), 3) for r, b in zip(ranks, base)}}
+    def _median_of(self, ranks: np.ndarray) -> np.ndarray:
+        """Median training step time per rank (NaN: none yet)."""
+        values, counts = self._step_s.window(ranks)
+        return row_quantile(values, counts, 0.5)
 
     def _p99_of(self, ranks: np.ndarray) -> np.ndarray:
         need = ranks[~self._p99_fresh[ranks]]

@@ -7,6 +7,15 @@ are normal noise, and grad norms far above their usual range (> 100 where
 its own robust baseline (median and median absolute deviation of its last
 steps), because ranks see different data and their losses differ.
 
+Which loss is judged, and how (`--loss-health`): the loss the script
+declares (`tw.step(loss=...)`) or the integrated trainer reports is a training
+loss and gets every rule (`full`). An unmodified script's loss is whatever
+backward() ran on: an RL value loss, a sum of losses, a loss that honestly
+rises as returns grow; it gets the NaN/Inf rule only (`nan-only`) unless the
+user asks for `full`. `auto` (the default) picks per rank from where its
+steps come from; `off` judges no loss. Every loss incident says which loss
+it watched (evidence `loss_watched`).
+
 A rank is evaluated only when its step advanced, so one step's value is never
 counted twice. The verdict for that step is held until its next step, so a
 fault that lasts several steps is one continuing condition, not a new one
@@ -19,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainwatch import slots
 from trainwatch.watchdog.detectors.base import (
     Detector,
     RankRing,
@@ -49,6 +59,39 @@ class LossHealthConfig:
     """Grad norms up to this are never an explosion (healthy range is about 0.1-10) (norm)."""
     grad_norm_factor: float = 10.0
     """An explosion exceeds this multiple of the rank's median grad norm (factor)."""
+    health: str = "auto"
+    """Which loss rules apply: off, nan-only (NaN/Inf only), full (also spikes, exploding grads and
+    the loss trend), or auto: full for a loss declared with tw.step() or by the integrated trainer,
+    nan-only for an unmodified script's (whatever backward() ran on) (mode)."""
+
+    def __post_init__(self) -> None:
+        if self.health not in LOSS_HEALTH_MODES:
+            raise ValueError(f"--loss-health must be one of {', '.join(LOSS_HEALTH_MODES)}; got {self.health!r}")
+
+
+LOSS_HEALTH_MODES = ("auto", "off", "nan-only", "full")
+LOSS_WATCHED = {
+    slots.STEP_REPORTED: "the loss passed to tw.step() (declared)",
+    slots.STEP_COUNTED: "the loss backward() ran on (unmodified script)",
+}
+
+
+def judged(t: np.ndarray, mode: str, *, nan: bool = False) -> np.ndarray:
+    """Rows whose loss the rules of `--loss-health` judge: the NaN/Inf rule
+    (`nan=True`) or the rest (spikes, explosions, the trend)."""
+    if mode == "off":
+        return np.zeros(len(t), dtype=bool)
+    if mode == "full" or nan:
+        return np.ones(len(t), dtype=bool)
+    if mode == "nan-only":
+        return np.zeros(len(t), dtype=bool)
+    return t["step_source"] == slots.STEP_REPORTED
+
+
+def loss_watched(t: np.ndarray, rows: np.ndarray) -> str:
+    """Which loss the incident's ranks publish, in words."""
+    sources = {int(x) for x in t["step_source"][rows]}
+    return "; ".join(LOSS_WATCHED.get(s, "the rank's loss") for s in sorted(sources)) or "the rank's loss"
 
 
 def _worst(t: np.ndarray, rows: np.ndarray, field: str, peak: str, peak_step: str,
@@ -112,8 +155,15 @@ class LossHealthDetector(Detector):
             self._grad.reset(gone)
             for arr in (self._seen_loss, self._seen_grad, self._spiking, self._exploding):
                 arr[gone] = False
+        mode = self.config.health
         if advanced.any():
+            # Every rank's finite values make its later NaN a fault (the NaN rule);
+            # spikes and explosions are judged where the mode says.
             rows = np.nonzero(advanced)[0]
+            r = ranks[rows]
+            self._seen_loss[r[np.isfinite(t["loss"][rows])]] = True
+            self._seen_grad[r[np.isfinite(t["grad_norm"][rows])]] = True
+            rows = np.nonzero(advanced & judged(t, mode))[0]
             self._judge_loss(t, rows)
             self._judge_grad(t, rows)
 
@@ -179,7 +229,7 @@ class LossHealthDetector(Detector):
     def _non_finite(self, view: TickView) -> Incident | None:
         t = view.table
         ranks = t["rank"]
-        started = t["step"] >= 1
+        started = (t["step"] >= 1) & judged(t, self.config.health, nan=True)
         all_rows = np.arange(len(t))
         loss, loss_at = _worst(t, all_rows, "loss", "peak_loss", "peak_loss_step", nan_wins=True)
         grad, _grad_at = _worst(t, all_rows, "grad_norm", "peak_grad", "peak_grad_step", nan_wins=True)
@@ -238,6 +288,7 @@ class LossHealthDetector(Detector):
                 "grad_norm": {int(ranks[i]): float(grad[i]) for i in c_rows[:_MAX_LISTED]},
                 "non_finite_loss_ranks": int(bad_loss.sum()),
                 "non_finite_grad_ranks": int(bad_grad.sum()),
+                "loss_watched": loss_watched(t, c_rows),
             },
             detected_mono=view.now,
         )
@@ -261,6 +312,7 @@ class LossHealthDetector(Detector):
             category=None,
             evidence={
                 "step": int(step),
+                "loss_watched": loss_watched(view.table, rows),
                 "spikes": {
                     int(r): {"step": int(s), "loss": float(v), "baseline_median": float(m), "baseline_mad": float(d),
                              "ratio": round(float(v / m), 4)}
@@ -290,6 +342,7 @@ class LossHealthDetector(Detector):
             category=None,
             evidence={
                 "step": int(step),
+                "loss_watched": loss_watched(view.table, rows),
                 "grad_norms": {
                     int(r): {"step": int(s), "grad_norm": float(v), "baseline_median": float(m)}
                     for r, (s, v, m) in zip(ranks[:_MAX_LISTED], info[:_MAX_LISTED])

@@ -23,6 +23,11 @@ step's partner and values are silently wrong until a rank exits):
     If any stalled rank is somewhere else (computing, loading data, blocked
     in a send/recv), that rank is hung and the others wait for it: a hang,
     named by the hang detector, not a desync.
+    Ranks are sampled at different instants, so two healthy ranks about to
+    meet in the same collective can read one apart ("358" vs "357"): a
+    position is compared only once it has been unchanged for `settle_s` and
+    re-read by `settle_rounds` later sampler rounds of its own rank, so an
+    off-by-one that the next sample closes is never a mismatch.
 """
 
 from __future__ import annotations
@@ -58,8 +63,14 @@ class CollectiveMismatchConfig:
     """Time without a completed step before parked ranks' sequence numbers are compared (s)."""
     stall_factor: float = 4.0
     """...and at least this multiple of the rank's last step time, so long steps are not stalls (factor)."""
-    settle_s: float = 1.0
-    """Sequence numbers must be unchanged this long (five sampler rounds) before they are compared (s)."""
+    settle_s: float = 1.5
+    """Sequence numbers must be unchanged this long before they are compared (s)."""
+    settle_rounds: int = 3
+    """...and re-read unchanged by this many later sampler rounds of the rank (heartbeats), so a
+    snapshot its sampler took before it moved on (a starved sampler thread) is never compared (rounds)."""
+    round_min_s: float = 0.3
+    """Heartbeats closer than this may be one sample seen twice (the multi-node aggregator rebases
+    a node's times with a fresh offset on every summary): they count as one round (s)."""
     heartbeat_stale_s: float = 2.0
     """A rank whose heartbeat is older holds the GIL or is stopped; it is hung, not desynced (s)."""
 
@@ -82,6 +93,8 @@ class CollectiveMismatchDetector(Detector):
         self.config = config or CollectiveMismatchConfig()
         if self.config.persist_steps < 1:
             raise ValueError(f"persist_steps must be >= 1; got {self.config.persist_steps}")
+        if self.config.settle_rounds < 0:
+            raise ValueError(f"settle_rounds must be >= 0; got {self.config.settle_rounds}")
         self._steps = StepTracker()
         self._last_compared = 0
         self._open: _Disagreement | None = None
@@ -89,7 +102,10 @@ class CollectiveMismatchDetector(Detector):
         # Last seen (pg, enqueued) per rank and group slot, and since when.
         self._pg = np.full((0, slots.MAX_GROUPS), -1, dtype=np.int64)
         self._enq = np.full((0, slots.MAX_GROUPS), -2, dtype=np.int64)
+        self._done = np.full((0, slots.MAX_GROUPS), -2, dtype=np.int64)
         self._since = np.zeros((0, slots.MAX_GROUPS))
+        self._rounds = np.zeros((0, slots.MAX_GROUPS), dtype=np.int64)
+        self._hb = np.zeros(0)
         self._tracked = np.full(0, np.nan)
 
     def check(self, view: TickView) -> list[Incident]:
@@ -99,7 +115,10 @@ class CollectiveMismatchDetector(Detector):
         size = int(t["rank"].max()) + 1
         self._pg = grow(self._pg, size, -1)
         self._enq = grow(self._enq, size, -2)
+        self._done = grow(self._done, size, -2)
         self._since = grow(self._since, size, 0.0)
+        self._rounds = grow(self._rounds, size, 0)
+        self._hb = grow(self._hb, size, 0.0)
         self._tracked = grow(self._tracked, size, np.nan)
         _, restarted = self._steps.update(t)
         if restarted.any():
@@ -243,23 +262,32 @@ class CollectiveMismatchDetector(Detector):
         # Restart the "unchanged since" clock of a rank that completed a step
         # since we last looked at it, or whose sequence numbers moved.
         fresh = self._tracked[ranks] != sub["progress_mono"]
-        changed = fresh[:, None] | (enq != self._enq[ranks, :width]) | (pgs != self._pg[ranks, :width])
+        done = groups["completed"]
+        changed = (fresh[:, None] | (enq != self._enq[ranks, :width]) | (pgs != self._pg[ranks, :width])
+                   | (done != self._done[ranks, :width]))
         since = np.where(changed, now, self._since[ranks, :width])
+        # Sampler rounds that re-read the same numbers: a heartbeat newer than
+        # the last counted one by at least round_min_s is a new round.
+        hb = sub["heartbeat_mono"]
+        new_round = (hb > 0) & (hb - self._hb[ranks] >= cfg.round_min_s)
+        rounds = np.where(changed, 0, self._rounds[ranks, :width] + new_round[:, None])
+        self._hb[ranks] = np.where(new_round | changed.any(axis=1), hb, self._hb[ranks])
         self._enq[ranks, :width] = enq
+        self._done[ranks, :width] = done
         self._pg[ranks, :width] = pgs
         self._since[ranks, :width] = since
+        self._rounds[ranks, :width] = rounds
         self._tracked[ranks] = sub["progress_mono"]
 
         ng = np.clip(sub["ngroups"], 0, slots.MAX_GROUPS)
         in_group = np.arange(width)[None, :] < ng[:, None]
         limit = np.fmax(cfg.stall_s, cfg.stall_factor * np.nan_to_num(sub["step_s"]))
-        hb = sub["heartbeat_mono"]
         hb_stale = (hb > 0) & (now - hb > cfg.heartbeat_stale_s)
         # Parked: a launched collective has not completed (the flight recorder
         # counts collectives only, so a rank blocked in a send/recv is not
         # parked), or, without the flight recorder, blocked in a Python
         # collective call.
-        outstanding = (in_group & (enq > groups["completed"])).any(axis=1)
+        outstanding = (in_group & (enq > done)).any(axis=1)
         parked = np.where(sub["fr_ok"] > 0, outstanding, sub["phase"] == _COLLECTIVE)
         stalled = (age[rows] >= limit) & (sub["step"] >= 1) & ~hb_stale & (sub["phase"] != _DONE)
         if not stalled.any() or (stalled & ~parked).any():
@@ -270,7 +298,7 @@ class CollectiveMismatchDetector(Detector):
         valid = in_group & stalled[:, None]
         # Sampled at different instants, moving counters always differ a little;
         # compare only numbers that have settled.
-        valid &= (now - since >= cfg.settle_s) & (enq >= 0)
+        valid &= (now - since >= cfg.settle_s) & (rounds >= cfg.settle_rounds) & (enq >= 0)
         r, k = np.nonzero(valid)
         if len(r) < 2:
             return None
@@ -285,26 +313,26 @@ class CollectiveMismatchDetector(Detector):
                 continue
             members, seqs = r[sel], e_enq[sel]
             top = int(seqs.max())
+            raw = groups["last_op"][members, k[sel]]
             if seqs.min() < top:
                 # A rank that skipped a collective in one group runs ahead into
                 # the next step and is then "ahead" in the other groups. The
                 # group that tells the truth is the one where the ranks behind
                 # in sequence are not behind in steps.
                 lag = float(steps[members[seqs < top]].mean() - steps[members[seqs == top]].mean())
-                candidates.append((lag, -int(pg), members, seqs, top))
+                candidates.append((lag, -int(pg), members, seqs, top, [op_name(o) for o in raw]))
                 continue
-            raw = groups["last_op"][members, k[sel]]
             if op_mismatch is None and len(np.unique(raw[raw != b""])) > 1:
                 op_mismatch = (int(pg), members, [op_name(o) for o in raw], top)
         if candidates:
-            _lag, neg_pg, members, seqs, top = max(candidates, key=lambda c: (c[0], c[1]))
-            return self._seq_incident(view, -neg_pg, rows[members], seqs, top)
+            _lag, neg_pg, members, seqs, top, ops = max(candidates, key=lambda c: (c[0], c[1]))
+            return self._seq_incident(view, -neg_pg, rows[members], seqs, top, ops)
         if op_mismatch is not None:
             pg, members, ops, top = op_mismatch
             return self._op_incident(view, pg, rows[members], ops, top)
         return None
 
-    def _seq_incident(self, view, pg, rows, seqs, top) -> Incident:
+    def _seq_incident(self, view, pg, rows, seqs, top, ops) -> Incident:
         ranks = view.table["rank"]
         at_top = rows[seqs == top]
         parts = [f"{len(at_top)} rank{'s' if len(at_top) != 1 else ''} have launched up to operation {top}"]
@@ -330,6 +358,8 @@ class CollectiveMismatchDetector(Detector):
                 "ranks_at_top": len(at_top),
                 "behind": {r: s for s, rs in behind_by_seq.items() for r in rs[:_MAX_LISTED]},
                 "stalled_s": round(float(view.now - view.table["progress_mono"][rows].max()), 3),
+                # The op each rank last launched in the group, where the flight recorder names it.
+                "last_ops": {int(ranks[row]): o for row, o in list(zip(rows, ops))[:_MAX_LISTED] if o},
             },
             detected_mono=view.now,
         )

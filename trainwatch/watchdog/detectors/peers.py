@@ -83,3 +83,35 @@ class StepTable:
         self._ensure(int(ranks.max()) + 1 if len(ranks) else 0)
         at = (ranks[:, None], self.column(keys)[None, :])
         return np.where(self.step[at] == keys[None, :], self.value[at], np.nan)
+
+
+class OwnBaseline:
+    """Each rank's own usual standing against its peers: the lowest window
+    median of its excess (extra compute, lateness at collectives) seen since
+    the rank (re)started.
+
+    A straggler is a rank that falls behind its own baseline. Some ranks are
+    behind by role, every step of the job: the first stage of a pipeline
+    reaches the end-of-step broadcast last, a rank that logs or evaluates
+    alone computes more. Their window median starts where it stays, so their
+    baseline is their role and they are never reported for it; a rank that
+    was on time and then slows down keeps the low baseline it showed before.
+    The lowest value, not an average, so a straggler that persists never
+    becomes its own baseline."""
+
+    def __init__(self) -> None:
+        self._low = np.zeros(0)
+
+    def reset(self, ranks: np.ndarray) -> None:
+        self._low = grow(self._low, int(ranks.max()) + 1 if len(ranks) else 0, np.inf)
+        self._low[ranks] = np.inf
+
+    def update(self, ranks: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Take this evaluation's window medians; the baseline per rank (this one included)."""
+        if len(ranks) == 0:
+            return np.zeros(0)
+        self._low = grow(self._low, int(ranks.max()) + 1, np.inf)
+        finite = np.isfinite(values)
+        self._low[ranks[finite]] = np.minimum(self._low[ranks[finite]], values[finite])
+        low = self._low[ranks]
+        return np.where(np.isfinite(low), low, 0.0)

@@ -16,12 +16,18 @@ peer wait in its gradient all-reduce, which runs inside backward: a rank
 whose extra time is in data, optimizer or other is a culprit; a rank whose
 extra time is in backward (or in a collective phase the sidecar saw it in)
 only waited, and is named as a victim. Steps during which the sidecar saw the
-rank in a checkpoint, eval or init phase are honest pauses and never count,
-nor do the waits of its peers at the same time. When every slow rank only
+rank in a checkpoint, eval or init phase, or doing forward-only work late in
+the step (an RL rollout: `work.OtherWork`), are honest pauses and never count
+nor enter the baseline, nor do the waits of its peers at the same time. When every slow rank only
 waited and no rank here explains it, the spike is a communication stall, a
 slow rank on another node, or a rank slowed inside backward itself (reported
 at low severity, from `stall_min_excess_s` of extra time; `stall_alerts` off
 turns that off).
+
+When every rank of a node is slow at once (a busy host, another job, thermal
+throttling) no rank is behind its peers: that is one node-level observation
+(`node_slowdowns`, logged), not a rank alert. Culprits are held `node_grace_s`
+so every rank of the node has been judged before the call.
 
 A spike episode lasts while spikes keep coming (`hold_s` after the last one):
 a periodic slow step is one incident, not one per occurrence. Ranks that do
@@ -30,13 +36,17 @@ not publish a phase breakdown are not judged.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from trainwatch import slots
 from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, row_median
+from trainwatch.watchdog.detectors.work import OtherWork
 from trainwatch.watchdog.incident import Incident, describe_ranks
+
+log = logging.getLogger("trainwatch.steptime")
 
 _MAX_LISTED = 32
 _REFRESH = 8
@@ -74,6 +84,9 @@ class StepTimeConfig:
     """Spikes of ranks that only waited are held back this long for a culprit or an honest pause to explain them (s)."""
     stall_alerts: bool = True
     """Report spikes where every slow rank only waited (a communication stall or a slow rank elsewhere)."""
+    node_grace_s: float = 1.0
+    """Culprits are held this long so every rank of their node is judged: a node whose ranks all
+    slowed at once is one node-level observation, not a rank alert (s)."""
     stall_min_excess_s: float = 5.0
     """...when they waited at least this many seconds more than usual: shorter waits with no culprit are
     routine on a busy host (s)."""
@@ -111,6 +124,10 @@ class StepTimeDetector(Detector):
         self._stall: _Episode | None = None
         self._pending: dict[int, tuple[float, dict]] = {}
         self._excused_at = -np.inf
+        self._other = OtherWork()
+        self.node_slowdowns: list[dict] = []
+        """Node-level observations: {"nodes", "ranks", "since_mono", "excess_s"}, newest last (a few kept)."""
+        self._node_noted: str | None = None
 
     def check(self, view: TickView) -> list[Incident]:
         t = view.table
@@ -131,9 +148,15 @@ class StepTimeDetector(Detector):
             self._pos[gone] = self._count[gone] = 0
             self._med[gone] = np.nan
             self._seen[gone] = 0.0
+        other = self._other.update(t, advanced, restarted, lambda r: self._med[r])
+        if other.any():
+            # An evaluation, a checkpoint or a rollout: its length is that work's,
+            # and peers that waited for it waited for honest work.
+            self._excused_at = view.now
         if advanced.any():
-            rows = np.nonzero(advanced)[0]
+            rows = np.nonzero(advanced & ~other)[0]
             self._judge(view, rows)
+            rows = np.nonzero(advanced)[0]
             self._seen[ranks[rows]] = 0.0
         self._watch_phases(view)
         self._settle(view.now)
@@ -246,9 +269,39 @@ class StepTimeDetector(Detector):
             if ep is not None and now - ep.last >= cfg.hold_s:
                 setattr(self, name, None)
 
+    def _whole_nodes(self, view: TickView, ep: _Episode) -> list[str] | None | bool:
+        """The nodes whose every live rank is a culprit of `ep` (>= 2 culprits); None when some
+        rank of theirs was judged and is not; False while one has not reached the culprits' step."""
+        culprits = ep.culprits
+        if len(culprits) < 2:
+            return None
+        t = view.table
+        labels = view.nodes if view.nodes and len(view.nodes) == len(t) else [""] * len(t)
+        ranks = t["rank"].tolist()
+        on = {labels[i] for i, r in enumerate(ranks) if r in culprits}
+        first = min(v["step"] for v in culprits.values())
+        others = [i for i, r in enumerate(ranks) if labels[i] in on and r not in culprits]
+        if any(int(t["step"][i]) < first for i in others):
+            return False  # not judged at that step yet
+        return None if others else sorted(on)
+
     def _culprit_incident(self, view: TickView) -> Incident | None:
         ep = self._episode
         if ep is None:
+            return None
+        nodes = self._whole_nodes(view, ep)
+        if nodes is False and view.now - ep.since < self.config.node_grace_s:
+            return None  # the node's other ranks may finish the same slow step a tick later
+        if nodes:
+            if self._node_noted != ep.key:
+                self._node_noted = ep.key
+                excess = max(v["excess_s"] for v in ep.culprits.values())
+                self.node_slowdowns = (self.node_slowdowns + [{
+                    "nodes": nodes, "ranks": sorted(ep.culprits), "since_mono": ep.since,
+                    "excess_s": round(float(excess), 4)}])[-8:]
+                log.info("node slowdown: every rank of %s (ranks %s) slowed at once by up to %.2f s a step: "
+                         "the host, not a rank", ", ".join(n or "this node" for n in nodes),
+                         ",".join(map(str, sorted(ep.culprits))), excess)
             return None
         lead = min(ep.culprits, key=lambda k: (ep.culprits[k]["step"], -ep.culprits[k]["excess_s"]))
         first = ep.culprits[lead]

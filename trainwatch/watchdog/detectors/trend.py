@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainwatch.watchdog.detectors.base import Detector, RankRing, StepTracker, TickView, grow, row_median
+from trainwatch.watchdog.detectors.loss import judged, loss_watched
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
 _MAX_LISTED = 32
@@ -156,8 +157,11 @@ class LossTrendDetector(Detector):
 
     name = "loss_trend"
 
-    def __init__(self, config: LossTrendConfig | None = None):
+    def __init__(self, config: LossTrendConfig | None = None, *, loss_health: str = "auto"):
         self.config = config or LossTrendConfig()
+        self.loss_health = loss_health
+        """`--loss-health`: whose losses are judged (loss.judged): a falling-loss rule means
+        nothing for a loss that honestly rises (an RL value loss)."""
         cfg = self.config
         self._steps = StepTracker()
         self._rise = _Series(cfg.window_steps, cfg.points)
@@ -193,7 +197,7 @@ class LossTrendDetector(Detector):
                 s.reset(gone)
             self._rising[gone] = self._plateau[gone] = False
         loss = t["loss"]
-        use = advanced & np.isfinite(loss)
+        use = advanced & np.isfinite(loss) & judged(t, self.loss_health)
         if use.any():
             closed = self._rise.add(ranks[use], t["step"][use], loss[use])
             if self._flat is not None:
@@ -260,6 +264,7 @@ class LossTrendDetector(Detector):
             runbook="loss-trend",
             category=None,
             evidence={"trend": "rising" if rising else "plateau", "step": int(step), "window_steps": window,
+                      "loss_watched": loss_watched(view.table, np.nonzero(np.isin(view.table["rank"], ranks))[0]),
                       "relative_change": round(float(rel[lead]), 4), "slope_per_step": slope, "level": level,
                       "tau": round(tau, 3), "ranks": per_rank},
             key=key,
