@@ -27,7 +27,7 @@ ALLOWED = {
     "trainwatch.checkpoint": set(),
     "trainwatch.procctl": set(),
     "trainwatch.netbind": set(),
-    "trainwatch.jobstore": set(),
+    "trainwatch.jobstore": {"trainwatch.env"},
     "trainwatch.liveness": BASE | {"trainwatch.state"},
     "trainwatch.rankrow": BASE,
     "trainwatch.state": BASE,

@@ -257,6 +257,7 @@ class JobDir:
         self.restart_timing_file = self.control_dir / "restart-timing.json"
         self.sidecar_config_file = self.control_dir / "sidecar-config.json"
         self.faults_file = self.control_dir / "faults.jsonl"
+        self.store_key_file = self.control_dir / "store.key"  # the job secret, for this node's sidecar and diagnose
 
     def history_file(self, node: str) -> Path:
         """One history file per node; a hostname never escapes the directory."""

@@ -133,6 +133,8 @@ def launch(argv: list[str]) -> int:
 
 def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock) -> int:
     args, config = parse(argv, default_job=early)
+    # The ranks never need the job secret: it goes to the sidecar through an owner-only file.
+    os.environ.pop(env.JOB_SECRET, None)
     preflight.check_launch(args)  # the doctor's warnings; --strict stops on a failed check
     fr_size = os.environ.get(env.FR_BUFFER_SIZE)
     if fr_size is not None and not fr_size.strip().isdigit():
@@ -177,6 +179,11 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     if single_node and not args.local_addr:
         args.local_addr = "127.0.0.1"
     store_bind = "127.0.0.1" if single_node else args.local_addr
+    if store_bind is None and args.rdzv_endpoint and netbind.is_loopback(_store_address(args.rdzv_endpoint)
+                                                                         .rpartition(":")[0]):
+        # Every node on this machine: rank 0's store need not be reachable elsewhere
+        # (and is advertised as loopback, so the other nodes' ranks find it there).
+        store_bind = args.local_addr = "127.0.0.1"
     if args.rdzv_id == "none":
         args.rdzv_id = config.job
     if args.rdzv_timeout is not None:
@@ -274,7 +281,19 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     if not single_node and launch_config.rdzv_backend == "c10d":
         extra = ["--store", _store_address(launch_config.rdzv_endpoint), "--store-namespace", launch_config.run_id]
         extra += ["--aggregate"] if hosts_store else []
-        job_dir.update_job(store={"endpoint": extra[1], "namespace": extra[3]})  # for diagnose's remote stacks
+        if config.job_secret is not None:
+            state.write_atomic(job_dir.store_key_file, config.job_secret, mode=0o600)  # owner-only
+            extra += ["--job-secret-file", str(job_dir.store_key_file)]
+        else:
+            print(f"[trainwatch] warning: --insecure-store: trainwatch's records in the rendezvous store {extra[1]} "
+                  "are not authenticated; anyone who reaches it reads the job's telemetry and stacks and can make "
+                  "it capture, checkpoint and restart", flush=True)
+        # for diagnose's remote stacks
+        job_dir.update_job(store={"endpoint": extra[1], "namespace": extra[3], "sealed": config.job_secret is not None})
+    for line in netbind.exposure_warnings(metrics_host=config.metrics_host if config.metrics_port >= 0 else None,
+                                          store=extra[1] if extra else None, rank_store_bind=store_bind,
+                                          sealed=config.job_secret is not None):
+        print(f"[trainwatch] {line}", flush=True)
     sidecar = SidecarProcess(config, segment_path, node, run_id, extra)
     sidecar.start()
     ready = sidecar.wait_ready()
@@ -354,6 +373,10 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         if agent.zygote is not None:
             agent.zygote.close()
         state.remove_scrape_target(config.job, node)
+        try:
+            job_dir.store_key_file.unlink()
+        except OSError:
+            pass
         job_dir.update_job(status=status, end_time=time.time(), exit_code=code, restarts=agent.restart_count)
         segment.close()
         try:

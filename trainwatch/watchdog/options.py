@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainwatch import env, flags, state
+from trainwatch import env, flags, jobstore, state
 from trainwatch.inject import spec as inject
 from trainwatch.watchdog.config import FLAG_ALIASES, SidecarConfig, launch_flags
 
@@ -41,6 +41,10 @@ class LaunchConfig:
     """Faults to inject (parsed `--inject` specs)."""
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
     """Everything the node's watchdog does (thresholds, actions, intervals)."""
+    job_secret: bytes | None = None
+    """The job's secret sealing trainwatch's records in a multi-node job's rendezvous store."""
+    insecure_store: bool = False
+    """A multi-node job run without a job secret, knowingly (--insecure-store)."""
 
 
 class _ParseError(Exception):
@@ -83,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "several share a machine).")
     tw.add_argument("--rdzv-timeout", type=float, default=None, metavar="S",
                     help="Seconds to wait for every node at a (re-)rendezvous before giving up (default 600).")
+    tw.add_argument("--job-secret-file", default=None, metavar="FILE",
+                    help=f"File holding the job's secret (16+ bytes, the same on every node; or ${env.JOB_SECRET}): "
+                    "seals trainwatch's records in a multi-node job's rendezvous store. Required with --nnodes > 1.")
+    tw.add_argument("--insecure-store", action="store_true",
+                    help="Run a multi-node job without a job secret: anyone who reaches the rendezvous port can "
+                    "read the job's telemetry and stacks and steer its watchdog.")
     tw.add_argument("--no-warm-start", action="store_true",
                     help="Start every worker as a fresh interpreter, as torchrun does (default: fork workers from a "
                     "per-node process that imported torch once, so a restart does not pay for it again).")
@@ -94,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # torchrun and trainwatch options that take no value (every other option does).
-_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
+_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--insecure-store", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
                     "-h", "--help"})
 
 
@@ -162,10 +172,31 @@ def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Nam
             raise LaunchError(f"--kernel-log {args.kernel_log!r}: its directory must exist and be readable")
         sidecar.kernel_log = os.path.abspath(args.kernel_log)
     sidecar.faults = [f.to_json() for f in faults if f.kind in inject.HARDWARE_KINDS]
+    secret = _job_secret(args)
     if args.module and args.training_script == DEFAULT_MODULE:
         check_trainer_args(job, args.training_script_args)
     return args, LaunchConfig(job=job, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                              faults=faults, sidecar=sidecar)
+                              faults=faults, sidecar=sidecar, job_secret=secret,
+                              insecure_store=bool(args.insecure_store and secret is None))
+
+
+def _job_secret(args: argparse.Namespace) -> bytes | None:
+    """The job secret; a multi-node job refuses to start without one unless --insecure-store."""
+    try:
+        secret = jobstore.read_secret(secret_file=args.job_secret_file)
+    except jobstore.SecretError as e:
+        raise LaunchError(str(e)) from None
+    if secret is None and not args.insecure_store and _max_nodes(args) > 1:
+        raise LaunchError(f"a multi-node job needs a job secret (anyone who reaches the rendezvous port could "
+                          f"otherwise steer it): set {env.JOB_SECRET} or give --job-secret-file FILE, the same on "
+                          "every node (e.g. `openssl rand -hex 32`), or --insecure-store to run without one")
+    return secret
+
+
+def _max_nodes(args: argparse.Namespace) -> int:
+    from torch.distributed.run import parse_min_max_nnodes
+
+    return parse_min_max_nnodes(str(args.nnodes))[1]
 
 
 def _check_torchrun_options(args: argparse.Namespace) -> None:

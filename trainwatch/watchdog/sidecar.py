@@ -35,7 +35,7 @@ from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, ser
 from trainwatch.watchdog.hardware import HardwareMonitor
 from trainwatch.watchdog.history import HistoryWriter
 from trainwatch.watchdog.incident import Incident
-from trainwatch.jobstore import JobStore
+from trainwatch.jobstore import JobStore, RecordSeal, read_secret
 from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.recovery import RestartTracker
 from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate
@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default=None, help="HOST:PORT of the rendezvous store (multi-node job)")
     p.add_argument("--store-namespace", default="", help="the job's rendezvous id (same on every node)")
     p.add_argument("--aggregate", action="store_true", help="run the job-wide detectors (the rendezvous host)")
+    p.add_argument("--job-secret-file", default=None, help="the job's secret: seals trainwatch's store records")
     args = p.parse_args(argv)
     if args.launcher_pid:
         # SIGHUP, not SIGTERM: the launcher stops us with SIGTERM when the job
@@ -369,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     jobstore = None
     if args.store:
         try:
-            jobstore = JobStore(args.store, args.store_namespace or args.job)
+            seal = RecordSeal(read_secret(secret_file=args.job_secret_file, environ={}))
+            jobstore = JobStore(args.store, args.store_namespace or args.job, seal=seal)
             jobstore.register(args.node)
         except Exception as e:
             print(f"[trainwatch] job-wide view off: cannot reach the rendezvous store {args.store} ({e}); "
