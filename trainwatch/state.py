@@ -340,10 +340,10 @@ class JobDir:
     def telemetry(self) -> dict:
         return read_json(self.telemetry_file) or {}
 
-    def read_history(self) -> tuple[int, dict[int, dict[str, list]]]:
-        """All nodes' history of the job: (number of samples, per-rank series)."""
-        samples = historyfile.read_samples(sorted(self.history_dir.glob("*.jsonl")))
-        return len(samples), historyfile.per_rank(samples)
+    def read_history(self, limit: int = 2000) -> tuple[int, dict[int, dict[str, list]]]:
+        """All nodes' history: (samples, per-rank series of `limit` to 2 * `limit` points, thinned while read)."""
+        total, samples = historyfile.read_thinned(sorted(self.history_dir.glob("*.jsonl")), limit)
+        return total, historyfile.per_rank(samples)
 
     # launch.json: the job is known from the moment `launch` starts
     def announce_launch(self) -> Path | None:

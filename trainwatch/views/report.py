@@ -101,7 +101,7 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
             "severity": str(e.get("severity") or ""),
         })
     events.sort(key=lambda e: e["t"])
-    nsamples, series = d.read_history()
+    nsamples, series = d.read_history(MAX_POINTS)
     first = [s["t"][0] for s in series.values() if s["t"]]
     last = [s["t"][-1] for s in series.values() if s["t"]]
     # The time axis spans the job and everything recorded about it (a job

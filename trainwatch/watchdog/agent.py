@@ -22,6 +22,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from trainwatch import env, slots, state
 from trainwatch.watchdog import warmstart
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
+from trainwatch.usage import printable
 
 log = logging.getLogger("trainwatch")
 
@@ -221,7 +222,7 @@ class TrainwatchAgent(LocalElasticAgent):
         if result["requested"]:
             from trainwatch.watchdog.checkpointing import describe
 
-            print(f"[trainwatch] survivors: {describe(result)}", flush=True)
+            print(printable(f"[trainwatch] survivors: {describe(result)}", newlines=False), flush=True)
         self._on_event("survivors_checkpointed", result)
 
     def _take_restart_request(self) -> dict | None:

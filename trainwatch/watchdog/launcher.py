@@ -22,6 +22,7 @@ import uuid
 
 from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.inject import spec as inject
+from trainwatch.usage import printable
 from trainwatch.views.summary import failure_summary
 from trainwatch.watchdog import preflight, warmstart
 from trainwatch.watchdog.options import LaunchConfig, LaunchError, parse, prescan_job, prescan_node_scope
@@ -347,11 +348,13 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         else:
             status, code = "succeeded", 0
     except ChildFailedError as e:
-        print(f"[trainwatch] job {config.job} failed: {e}", file=sys.stderr, flush=True)
+        # torchelastic's summary quotes the ranks' own error files: shown, never acted on by the terminal.
+        print(printable(f"[trainwatch] job {config.job} failed: {e}"), file=sys.stderr, flush=True)
     except RENDEZVOUS_ERRORS as e:
-        print(f"[trainwatch] job {config.job} failed: the nodes did not meet again ({type(e).__name__}: "
-              f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); a node was lost and no replacement "
-              "joined within the rendezvous timeout (--rdzv-timeout)", file=sys.stderr, flush=True)
+        print(printable(f"[trainwatch] job {config.job} failed: the nodes did not meet again ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); a node was lost and no "
+                        "replacement joined within the rendezvous timeout (--rdzv-timeout)"), file=sys.stderr,
+              flush=True)
     except KeyboardInterrupt:
         status, code = "stopped", 130
     except Exception as e:  # SignalException from torchelastic on SIGTERM/SIGINT
@@ -385,7 +388,8 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
             pass
     print(f"[trainwatch] job {config.job} {status} (restarts: {agent.restart_count})", flush=True)
     if status == "failed":
-        print(failure_summary(config.job, agent.restart_count, args.max_restarts), file=sys.stderr, flush=True)
+        print(printable(failure_summary(config.job, agent.restart_count, args.max_restarts)), file=sys.stderr,
+              flush=True)
     return code
 
 

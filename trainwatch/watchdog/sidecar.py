@@ -36,6 +36,7 @@ from trainwatch.watchdog.hardware import HardwareMonitor
 from trainwatch.watchdog.history import HistoryWriter
 from trainwatch.watchdog.incident import Incident
 from trainwatch.jobstore import JobStore, RecordSeal, read_secret
+from trainwatch.usage import printable
 from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.recovery import RestartTracker
 from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate
@@ -222,11 +223,12 @@ class Sidecar:
         culprits = ",".join(str(r) for r in record.get("culprit_ranks") or []) or "-"
         if record.get("scope") == "job" and record.get("nodes"):
             culprits += f" on node {','.join(map(str, record['nodes']))}"
-        print(f"[trainwatch] INCIDENT {kind} culprit rank(s) {culprits}: {record.get('summary', '')}"
-              + (f" (runbook: trainwatch runbook {record['runbook']})" if record.get("runbook") else ""),
-              file=self.out, flush=True)
+        # Summaries carry what ranks and logs said (op names, errors): never raw to the terminal.
+        print(printable(f"[trainwatch] INCIDENT {kind} culprit rank(s) {culprits}: {record.get('summary', '')}"
+                        + (f" (runbook: trainwatch runbook {record['runbook']})" if record.get("runbook") else ""),
+                        newlines=False), file=self.out, flush=True)
         if why:
-            print(f"[trainwatch] {why}", file=self.out, flush=True)
+            print(printable(f"[trainwatch] {why}", newlines=False), file=self.out, flush=True)
         span = self.tracer.start(record) if self.tracer is not None else None
         if self.responder is not None:
             self.responder.submit(Response(record, restart, generation, span))
