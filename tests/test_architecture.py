@@ -14,7 +14,8 @@ PKG = ROOT / "trainwatch"
 
 # What each part may import (besides itself); see docs/architecture.md.
 BASE = {"trainwatch.slots", "trainwatch.env", "trainwatch.flags", "trainwatch.usage", "trainwatch.historyfile",
-        "trainwatch.checkpoint", "trainwatch.diagnostics", "trainwatch.procctl", "trainwatch.netbind"}
+        "trainwatch.checkpoint", "trainwatch.ckptschema", "trainwatch.diagnostics", "trainwatch.procctl",
+        "trainwatch.netbind"}
 LEVEL2 = BASE | {"trainwatch.rankrow", "trainwatch.state", "trainwatch.capture", "trainwatch.liveness",
                  "trainwatch.jobstore", "trainwatch"}
 ALLOWED = {
@@ -24,7 +25,8 @@ ALLOWED = {
     "trainwatch.flags": set(),
     "trainwatch.usage": set(),
     "trainwatch.historyfile": set(),
-    "trainwatch.checkpoint": set(),
+    "trainwatch.checkpoint": {"trainwatch.ckptschema"},
+    "trainwatch.ckptschema": set(),
     "trainwatch.procctl": set(),
     "trainwatch.netbind": set(),
     "trainwatch.jobstore": {"trainwatch.env"},
