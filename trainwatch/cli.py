@@ -102,6 +102,18 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a reader that left is a BrokenPipeError caught below
+        return code
+    except BrokenPipeError:
+        # `trainwatch --help | true`, `trainwatch jobs | head -0`: the reader left; say nothing more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -118,11 +130,6 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # `trainwatch jobs | head -0`: the reader left; say nothing more.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
 
 
 if __name__ == "__main__":

@@ -113,6 +113,23 @@ def _worker_command(args: argparse.Namespace, cmd, cmd_args: list[str]) -> tuple
 
 
 def launch(argv: list[str]) -> int:
+    undo: list = []  # what a failed start leaves behind, undone newest first (the segment, the sidecar)
+    try:
+        return _claim_and_launch(argv, undo)
+    except (LaunchError, OSError) as e:
+        for step in reversed(undo):
+            try:
+                step()
+            except Exception:
+                pass
+        if isinstance(e, OSError):  # a full or read-only home, no room in /dev/shm: one line, nothing leaked
+            where = f" ({e.filename})" if e.filename else ""
+            raise LaunchError(f"cannot start the job: {e.strerror or e}{where}; free space in {state.home()} "
+                              f"or set {env.HOME} to a writable directory with room") from None
+        raise
+
+
+def _claim_and_launch(argv: list[str], undo: list) -> int:
     early = prescan_job(argv)
     early = state.generate_job_name() if early is None else early
     scope = prescan_node_scope(argv)
@@ -125,14 +142,11 @@ def launch(argv: list[str]) -> int:
     except state.StateError as e:
         raise LaunchError(str(e)) from None
     marker.announce_launch()
-    try:
-        return _launch(argv, early, marker, lock)
-    except LaunchError:
-        marker.withdraw_launch(failed=True)
-        raise
+    undo.append(lambda: marker.withdraw_launch(failed=True))
+    return _launch(argv, early, marker, lock, undo)
 
 
-def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock) -> int:
+def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock, undo: list) -> int:
     args, config = parse(argv, default_job=early)
     # The ranks never need the job secret: it goes to the sidecar through an owner-only file.
     os.environ.pop(env.JOB_SECRET, None)
@@ -211,9 +225,13 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     # One segment per run and node: two launches never share one, whatever their homes.
     segment_path = os.path.join(slots.default_segment_dir(),
                                 f"trainwatch-{os.getuid()}-{config.job}@{state.safe_filename(node)}-{run_id}.slots")
+    if zygote is not None:
+        undo.append(zygote.close)
     try:
         slots.create_segment(segment_path, nslots)
+        undo.append(lambda: os.unlink(segment_path))
         segment = slots.Segment(segment_path)
+        undo.append(segment.close)
     except ValueError as e:
         raise LaunchError(str(e)) from None
 
@@ -284,6 +302,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         extra += ["--aggregate"] if hosts_store else []
         if config.job_secret is not None:
             state.write_atomic(job_dir.store_key_file, config.job_secret, mode=0o600)  # owner-only
+            undo.append(lambda: job_dir.store_key_file.unlink(missing_ok=True))
             extra += ["--job-secret-file", str(job_dir.store_key_file)]
         else:
             print(f"[trainwatch] warning: --insecure-store: trainwatch's records in the rendezvous store {extra[1]} "
@@ -296,6 +315,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
                                           sealed=config.job_secret is not None):
         print(f"[trainwatch] {line}", flush=True)
     sidecar = SidecarProcess(config, segment_path, node, run_id, extra)
+    undo.append(sidecar.stop)
     sidecar.start()
     ready = sidecar.wait_ready()
     metrics = ready.get("metrics")
@@ -335,6 +355,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     )
 
     status, code = "failed", 1
+    undo.clear()  # from here the clean-up below owns the segment, the sidecar and the zygote
     try:
         result = agent.run()
         from torch.distributed.elastic.agent.server.api import WorkerState
