@@ -24,7 +24,7 @@ from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.inject import spec as inject
 from trainwatch.usage import printable
 from trainwatch.views.summary import failure_summary
-from trainwatch.watchdog import preflight, warmstart
+from trainwatch.watchdog import guard, preflight, warmstart
 from trainwatch.watchdog.options import LaunchConfig, LaunchError, parse, prescan_job, prescan_node_scope
 
 log = logging.getLogger("trainwatch")
@@ -113,20 +113,8 @@ def _worker_command(args: argparse.Namespace, cmd, cmd_args: list[str]) -> tuple
 
 
 def launch(argv: list[str]) -> int:
-    undo: list = []  # what a failed start leaves behind, undone newest first (the segment, the sidecar)
-    try:
+    with guard.StartUp() as undo:  # a failed start: one line, and what it made is undone
         return _claim_and_launch(argv, undo)
-    except (LaunchError, OSError) as e:
-        for step in reversed(undo):
-            try:
-                step()
-            except Exception:
-                pass
-        if isinstance(e, OSError):  # a full or read-only home, no room in /dev/shm: one line, nothing leaked
-            where = f" ({e.filename})" if e.filename else ""
-            raise LaunchError(f"cannot start the job: {e.strerror or e}{where}; free space in {state.home()} "
-                              f"or set {env.HOME} to a writable directory with room") from None
-        raise
 
 
 def _claim_and_launch(argv: list[str], undo: list) -> int:
@@ -298,22 +286,11 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     # A multi-node job gets one job-wide watchdog through the rendezvous store.
     extra = []
     if not single_node and launch_config.rdzv_backend == "c10d":
-        extra = ["--store", _store_address(launch_config.rdzv_endpoint), "--store-namespace", launch_config.run_id]
-        extra += ["--aggregate"] if hosts_store else []
-        if config.job_secret is not None:
-            state.write_atomic(job_dir.store_key_file, config.job_secret, mode=0o600)  # owner-only
-            undo.append(lambda: job_dir.store_key_file.unlink(missing_ok=True))
-            extra += ["--job-secret-file", str(job_dir.store_key_file)]
-        else:
-            print(f"[trainwatch] warning: --insecure-store: trainwatch's records in the rendezvous store {extra[1]} "
-                  "are not authenticated; anyone who reaches it reads the job's telemetry and stacks and can make "
-                  "it capture, checkpoint and restart", flush=True)
-        # for diagnose's remote stacks
-        job_dir.update_job(store={"endpoint": extra[1], "namespace": extra[3], "sealed": config.job_secret is not None})
-    for line in netbind.exposure_warnings(metrics_host=config.metrics_host if config.metrics_port >= 0 else None,
-                                          store=extra[1] if extra else None, rank_store_bind=store_bind,
-                                          sealed=config.job_secret is not None):
-        print(f"[trainwatch] {line}", flush=True)
+        extra = guard.store_sidecar_args(job_dir, _store_address(launch_config.rdzv_endpoint), launch_config.run_id,
+                                         aggregate=hosts_store, secret=config.job_secret, undo=undo)
+    guard.warn_exposure(metrics_host=config.metrics_host if config.metrics_port >= 0 else None,
+                        store=extra[1] if extra else None, rank_store_bind=store_bind,
+                        sealed=config.job_secret is not None)
     sidecar = SidecarProcess(config, segment_path, node, run_id, extra)
     undo.append(sidecar.stop)
     sidecar.start()
@@ -396,6 +373,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         sidecar.stop()
         if agent.zygote is not None:
             agent.zygote.close()
+        guard.sweep_run(run_id)  # a rank's `setsid` child does not outlive the job
         state.remove_scrape_target(config.job, node)
         try:
             job_dir.store_key_file.unlink()
