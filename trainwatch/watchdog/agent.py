@@ -219,7 +219,9 @@ class TrainwatchAgent(LocalElasticAgent):
         # one that exits while waited on is waited on no longer.
         result = request_emergency_checkpoint(self.segment, self.emergency_timeout_s, local_ranks=alive,
                                               alive=running)
-        if result["requested"]:
+        # Every rank asked failed to write: each said why in its own line already.
+        said = result.get("failed") and not result.get("written") and set(result["failed"].values()) == {"write failed"}
+        if result["requested"] and not said:
             from trainwatch.watchdog.checkpointing import describe
 
             print(printable(f"[trainwatch] survivors: {describe(result)}", newlines=False), flush=True)
