@@ -158,7 +158,8 @@ def _fmt_time(t: float) -> str:
 
 
 def render(data: dict[str, Any]) -> str:
-    esc = html.escape
+    def esc(text: str) -> str:  # control characters shown escaped, then HTML-escaped
+        return html.escape(printable(text))
     started = _fmt_time(data["start"])
     kinds = ", ".join(f"{esc(k)} {n}" for k, n in data["kinds"].items()) or "none"
     verdict = data["verdict"]
