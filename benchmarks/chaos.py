@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from common import BIN, ROOT, env_for, finish, job_json, log, new_home, wait_for
+from common import BIN, ROOT, env_for, finish, job_json, log, new_home, stop, wait_for
 
 SCRIPT = ROOT / "tests" / "scripts" / "plain_ddp.py"
 TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--log-interval", "5"]
