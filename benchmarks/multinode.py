@@ -53,6 +53,7 @@ def listening(port: int) -> bool:
 
 def start_nodes(root: Path, job: str, port: int, *args: str) -> tuple[list[Path], list[subprocess.Popen]]:
     homes, procs = [], []
+    secret = os.urandom(16).hex()  # the job secret, the same on both nodes
     for i in range(2):
         home = root / f"node{i}"
         home.mkdir(parents=True)
@@ -60,7 +61,7 @@ def start_nodes(root: Path, job: str, port: int, *args: str) -> tuple[list[Path]
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, "--job", job,
                "--node-name", f"n{i}", "--metrics-port", "0", *args]
         log_file = open(root / f"node{i}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env_for(home), stdout=log_file, stderr=subprocess.STDOUT,
+        procs.append(subprocess.Popen(cmd, env=env_for(home, TRAINWATCH_JOB_SECRET=secret), stdout=log_file, stderr=subprocess.STDOUT,
                                       cwd=str(ROOT), start_new_session=True))
         log_file.close()
         homes.append(home)

@@ -14,8 +14,8 @@ PKG = ROOT / "trainwatch"
 
 # What each part may import (besides itself); see docs/architecture.md.
 BASE = {"trainwatch.slots", "trainwatch.env", "trainwatch.flags", "trainwatch.usage", "trainwatch.historyfile",
-        "trainwatch.checkpoint", "trainwatch.finite", "trainwatch.diagnostics", "trainwatch.procctl",
-        "trainwatch.netbind", "trainwatch.kinds", "trainwatch.records"}
+        "trainwatch.checkpoint", "trainwatch.finite", "trainwatch.ckptschema", "trainwatch.diagnostics",
+        "trainwatch.procctl", "trainwatch.netbind", "trainwatch.kinds", "trainwatch.records"}
 LEVEL2 = BASE | {"trainwatch.rankrow", "trainwatch.state", "trainwatch.capture", "trainwatch.liveness",
                  "trainwatch.jobstore", "trainwatch"}
 ALLOWED = {
@@ -28,10 +28,11 @@ ALLOWED = {
     "trainwatch.usage": set(),
     "trainwatch.historyfile": set(),
     "trainwatch.finite": set(),
-    "trainwatch.checkpoint": {"trainwatch.finite"},
+    "trainwatch.checkpoint": {"trainwatch.finite", "trainwatch.ckptschema"},
+    "trainwatch.ckptschema": set(),
     "trainwatch.procctl": set(),
     "trainwatch.netbind": set(),
-    "trainwatch.jobstore": set(),
+    "trainwatch.jobstore": {"trainwatch.env"},
     "trainwatch.liveness": BASE | {"trainwatch.state"},
     "trainwatch.rankrow": BASE,
     "trainwatch.state": BASE,

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -36,6 +37,7 @@ class Nodes:
 
     def __init__(self, tmp_path: Path, n: int = 2, shared_home: bool = False):
         self.job = f"mn-{uuid.uuid4().hex[:8]}"
+        self.secret = uuid.uuid4().hex  # the job secret every node is given (TRAINWATCH_JOB_SECRET)
         self.port = free_port()
         self.homes = [tmp_path / ("home" if shared_home else f"home{i}") for i in range(n)]
         self.procs: list[subprocess.Popen] = []
@@ -48,7 +50,7 @@ class Nodes:
                    "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
                    "--rdzv-id", self.job, "--job", self.job, "--node-name", f"n{i}", "--metrics-port", "0", *args]
             with open(self.logs[i], "w") as log:
-                self.procs.append(subprocess.Popen(cmd, env=env_for(home), stdout=log, stderr=subprocess.STDOUT,
+                self.procs.append(subprocess.Popen(cmd, env=env_for(home, TRAINWATCH_JOB_SECRET=self.secret), stdout=log, stderr=subprocess.STDOUT,
                                                    cwd=str(ROOT), start_new_session=True))
             if i == 0:  # node 0 hosts the rendezvous store, as the endpoint's machine would
                 wait_for(lambda: listening(self.port), 120, interval=0.1, what="node 0's rendezvous store")
@@ -166,5 +168,53 @@ def test_diagnose_on_node_0_names_the_culprit_on_node_1(tmp_path):
         assert nodes_of[3] == "n1" and report["status"] == "running"
         # Rank 3's stack came from node 1's sidecar: it is in a group of its own.
         assert [g for g in report["stack_groups"] if g["ranks"] == [3]], report["stack_groups"]
+    finally:
+        nodes.stop()
+
+
+OUTSIDER = """
+import json, sys, time
+from trainwatch.jobstore import JobStore
+store = JobStore(sys.argv[1], sys.argv[2])  # reaches the port, has no secret
+deadline = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:
+    store.register("evil")
+    store.add_incident({"kind": "hang", "severity": "critical", "scope": "job", "id": "forged",
+                        "culprit_ranks": [0, 1, 2, 3], "nodes": ["n0", "n1"], "summary": "forged"})
+    store.request_capture("evil")
+    store.publish("evil", b"forged summary")
+    time.sleep(0.2)
+# What the store gives away without the secret: nothing that decodes.
+from trainwatch.watchdog.jobwide import decode_summary
+raw = [store.store.get(store.key(f"summary/{n}")) for n in ("n0", "n1")]
+print(json.dumps({"summaries_read": sum(decode_summary(b) is not None for b in raw)}))
+"""
+
+
+def test_an_outsider_without_the_secret_takes_no_action(tmp_path):
+    nodes = Nodes(tmp_path)
+    try:
+        nodes.start(*TRAINER, "--max-steps", "100000", "--ckpt-interval", "1000")
+        wait_for(lambda: len(diagnose(nodes.homes[0], nodes.job)["ranks"]) == 4, 120, interval=0.5,
+                 what="both nodes training")
+        def remote_captures() -> set[str]:
+            return {p.name for home in nodes.homes for p in (home / "jobs" / nodes.job / "stacks").glob("*-remote-*")}
+
+        before = remote_captures()  # diagnose's own (sealed) requests
+        outsider = subprocess.run([sys.executable, "-c", OUTSIDER, f"127.0.0.1:{nodes.port}", nodes.job, "6"],
+                                  env=env_for(tmp_path), capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+        assert outsider.returncode == 0, outsider.stderr
+        assert json.loads(outsider.stdout.splitlines()[-1]) == {"summaries_read": 0}
+        page = urllib.request.urlopen(f"http://{node_job(nodes.homes[0], nodes.job, 'n0')['metrics']}/metrics",
+                                      timeout=10).read().decode()
+        rejected = [line for line in page.splitlines() if line.startswith("trainwatch_store_rejected_total")]
+        assert rejected and float(rejected[0].split()[-1]) >= 10, rejected
+        # Every rank is still in its first run: no incident, capture, checkpoint or restart was taken.
+        for i, home in enumerate(nodes.homes):
+            assert [e for e in events(home, nodes.job) if e.get("id") == "forged" or e["kind"] == "hang"] == []
+            assert node_job(home, nodes.job, f"n{i}").get("restarts") == 0
+        assert remote_captures() == before  # no py-spy run for a forged capture request
+        assert "evil" not in json.dumps(diagnose(nodes.homes[0], nodes.job)["ranks"])
+        assert "Traceback" not in nodes.log(0) + nodes.log(1)
     finally:
         nodes.stop()

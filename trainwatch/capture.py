@@ -7,6 +7,7 @@ the capture: such a rank is a prime suspect, not a gap in the report.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -90,31 +91,104 @@ def capture_rank(rank: int, pid: int, *, native: bool = False, timeout_s: float 
     cmd = [binary, "dump", "--pid", str(pid), "--json"]
     if native:
         cmd.append("--native")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return failed(f"py-spy timed out after {timeout_s:.0f}s")
-    except OSError as e:
-        return failed(f"py-spy could not run: {e.strerror}")
-    if proc.returncode != 0:
-        msg = (proc.stderr or proc.stdout).strip().splitlines()
-        reason = msg[-1] if msg else f"py-spy exit code {proc.returncode}"
-        if "ermission" in reason or "ptrace" in reason.lower():
-            reason += " (py-spy needs root or CAP_SYS_PTRACE)"
-        return failed(reason)
+    dump = _dump_once(cmd, pid, native, timeout_s)
+    if isinstance(dump, str):
+        return failed(dump)
+    stdout = dump[0]
     raw_path = None
     if out_dir is not None:
         out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         raw = out_dir / f"rank{rank}-pid{pid}.json"
-        raw.write_text(proc.stdout)
+        raw.write_text(stdout)
         raw_path = str(raw)
     try:
-        data = json.loads(proc.stdout)
+        data = json.loads(stdout)
     except ValueError:
         return failed("py-spy output was not JSON")
     parsed = parse_pyspy_json(data, pid=pid, rank=rank)
     stack = parsed[0] if parsed else ProcessStack(pid, rank, None, (), error="py-spy returned no threads")
     return RankCapture(rank, pid, stack, pstate, time.monotonic() - start, raw_path)
+
+
+SHARED_DUMP_S = 30.0
+"""A dump kept for captures of the same process that waited for it (then pruned)."""
+
+
+def _dump_once(cmd: list[str], pid: int, native: bool, timeout_s: float) -> tuple[str] | str:
+    """(py-spy's JSON,) or why not. Captures of one process are serialised across
+    processes (two ptrace attaches collide: `tracing-stop`), and one that waited
+    for another takes the dump made meanwhile instead of attaching again."""
+    locks = _locks_dir()
+    if locks is None:
+        return _run_py_spy(cmd, timeout_s)
+    name = f"pid{pid}{'-native' if native else ''}"
+    asked = time.time()
+    deadline = time.monotonic() + 2 * timeout_s + 1.0
+    try:
+        fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return _run_py_spy(cmd, timeout_s)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return "another capture of this process did not finish in time"
+                time.sleep(0.02)
+        shared = locks / f"{name}.json"
+        try:
+            if shared.stat().st_mtime >= asked:  # made while this capture waited: as fresh as its own
+                return (shared.read_text(),)
+        except OSError:
+            pass
+        result = _run_py_spy(cmd, timeout_s)
+        if not isinstance(result, str):
+            try:
+                state.write_atomic(shared, result[0], mode=0o600)
+            except OSError:
+                pass
+        return result
+    finally:
+        os.close(fd)  # releases the lock
+        _prune_shared(locks)
+
+
+def _run_py_spy(cmd: list[str], timeout_s: float) -> tuple[str] | str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"py-spy timed out after {timeout_s:.0f}s"
+    except OSError as e:
+        return f"py-spy could not run: {e.strerror}"
+    if proc.returncode != 0:
+        msg = (proc.stderr or proc.stdout).strip().splitlines()
+        reason = msg[-1] if msg else f"py-spy exit code {proc.returncode}"
+        if "ermission" in reason or "ptrace" in reason.lower():
+            reason += " (py-spy needs root or CAP_SYS_PTRACE)"
+        return reason
+    return (proc.stdout,)
+
+
+def _locks_dir() -> Path | None:
+    """Per-process capture locks and shared dumps, in the state home (owner-only)."""
+    path = state.home() / "captures"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return path
+
+
+def _prune_shared(locks: Path) -> None:
+    now = time.time()
+    try:
+        for entry in locks.iterdir():
+            if entry.suffix == ".json" and now - entry.stat().st_mtime > SHARED_DUMP_S:
+                entry.unlink()
+    except OSError:
+        pass
 
 
 def capture_all(pids: dict[int, int], *, native: bool = False, timeout_s: float = PER_RANK_TIMEOUT_S,

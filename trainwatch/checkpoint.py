@@ -34,17 +34,14 @@ from typing import Any, Callable, Iterator
 
 from trainwatch.finite import NonFiniteState, nonfinite_problem
 
-FORMAT = 1
-KINDS = ("periodic", "emergency")
-MANIFEST = "manifest.json"
+# The manifest's schema; CheckpointError, FORMAT, KINDS and MANIFEST are this module's API too.
+from trainwatch.ckptschema import FORMAT, KINDS, MANIFEST, MAX_STEP, CheckpointError, validate_manifest  # noqa: F401
+from trainwatch.ckptschema import NAME_RE as _NAME_RE
+from trainwatch.ckptschema import checkpoint_name, state_file_name  # noqa: F401
+
 _OWNER = ".owner"
-_NAME_RE = re.compile(r"^step-(\d{8,})(?:-emergency-r(\d+))?$")
 _TEMP_RE = re.compile(r"^\.tmp-(old-)?(step-\d{8,}(?:-emergency-r\d+)?)-(\d+)$")
 _HASH_CHUNK = 1 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written, found or trusted; the message says why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +58,6 @@ class CheckpointInfo:
     """A state file whose size and sha256 match the manifest (load this one)."""
     manifest: dict
     """The parsed manifest.json."""
-
-
-def checkpoint_name(step: int, *, kind: str = "periodic", rank: int = 0) -> str:
-    """Directory name of a checkpoint: step-00000030 or step-00000030-emergency-r1."""
-    if kind == "periodic":
-        return f"step-{step:08d}"
-    return f"step-{step:08d}-emergency-r{rank}"
-
-
-def state_file_name(*, kind: str = "periodic", rank: int = 0) -> str:
-    return "state.pt" if kind == "periodic" else f"state-rank{rank}.pt"
 
 
 # ---- writing ---------------------------------------------------------------------
@@ -223,7 +209,10 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep is not None:
-        apply_retention(root, keep)
+        try:
+            apply_retention(root, keep, trusted=final)
+        except OSError as e:  # the save is done; an old checkpoint left behind is no reason to fail it
+            _stderr(f"warning: checkpoint retention in {root} failed ({e.strerror or e}); older checkpoints kept")
     return final
 
 
@@ -292,32 +281,57 @@ def _restore_final(path: Path, final: Path) -> None:
         pass
 
 
-def _complete(path: Path) -> bool:
-    """Cheap completeness check for retention: manifest parses and files have their sizes."""
+def _complete(path: Path, warn: Callable[[str], None]) -> bool:
+    """Cheap check for retention: a valid manifest (else one warning) and files of its sizes."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-        return bool(files) and all((path / name).stat().st_size == meta["bytes"] for name, meta in files.items())
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = validate_manifest(_read_manifest(path), path)
+    except CheckpointError as e:
+        if path not in _warned:
+            _warned.add(path)
+            warn(f"warning: skipping checkpoint: {e}")
+        return False
+    try:
+        return all((path / name).stat().st_size == meta["bytes"] for name, meta in manifest["files"].items())
+    except (OSError, ValueError):
         return False
 
 
-def apply_retention(ckpt_dir: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete complete checkpoints older than the newest `keep` steps; return them.
+_warned: set[Path] = set()  # invalid checkpoints warned about: one line per directory, not per save
 
-    Incomplete or unreadable directories are left alone: they are skipped when
-    loading, and deleting on a guess could remove the only copy a user has.
-    """
+
+def apply_retention(ckpt_dir: str | os.PathLike, keep: int, *, trusted: Path | None = None,
+                    warn: Callable[[str], None] | None = None) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep` steps; return them.
+    Incomplete or invalid ones are left alone (deleting on a guess could remove
+    the only copy a user has), and the newest one that verifies is never
+    deleted, even when newer ones of the right size fail verification.
+    `trusted`: a checkpoint just written (not read back)."""
+    warn = warn or _stderr
     steps: dict[int, list[Path]] = {}
     for path, step, _kind, _rank in _candidates(Path(ckpt_dir)):
-        if _complete(path):
+        if _complete(path, warn):
             steps.setdefault(step, []).append(path)
-    removed = []
-    for step in sorted(steps, reverse=True)[keep:]:
-        for path in steps[step]:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+    order = sorted(steps, reverse=True)
+    kept = [p for step in order[:keep] for p in steps[step]]
+    doomed = [p for step in order[keep:] for p in steps[step]]
+    if doomed and not any(p == trusted or _verifies(p) for p in kept):
+        spare = next((p for p in doomed if _verifies(p)), None)
+        doomed = [p for p in doomed if p != spare]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        verify_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 # ---- finding and loading -------------------------------------------------------------
@@ -333,7 +347,7 @@ def _candidates(root: Path) -> list[tuple[Path, int, str, int]]:
         return out
     for entry in entries:
         m = _NAME_RE.match(entry.name)
-        if m and entry.is_dir():
+        if m and len(m.group(1)) <= len(str(MAX_STEP)) and entry.is_dir():
             emergency = m.group(2) is not None
             out.append((entry, int(m.group(1)), "emergency" if emergency else "periodic", int(m.group(2) or 0)))
     out.sort(key=lambda c: (-c[1], c[2] != "periodic", c[3]))
@@ -346,10 +360,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _read_manifest(path: Path) -> Any:
@@ -367,22 +377,11 @@ def _read_manifest(path: Path) -> Any:
 def verify_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     """Check a checkpoint directory's manifest and checksums; raise CheckpointError."""
     path = Path(path)
-    manifest = _read_manifest(path)
-    if not isinstance(manifest, dict) or not _is_int(manifest.get("format")) or manifest["format"] != FORMAT:
-        raise CheckpointError(f"{path}/{MANIFEST} has an unknown format (expected format {FORMAT})")
-    files = manifest.get("files")
-    step = manifest.get("step")
-    if not isinstance(files, dict) or not files or not _is_int(step) or step < 0:
-        raise CheckpointError(f"{path}/{MANIFEST} lists no files or no step")
+    manifest = validate_manifest(_read_manifest(path), path)
+    files, step = manifest["files"], manifest["step"]
     problems = []
     for name, meta in files.items():
         file = path / name
-        if not name or "/" in name or name.startswith(".") or any(c < " " for c in name):
-            problems.append(f"{name!r}: bad file name")
-            continue
-        if not isinstance(meta, dict) or not _is_int(meta.get("bytes")) or not isinstance(meta.get("sha256"), str):
-            problems.append(f"{name!r}: no size and sha256 in the manifest")
-            continue
         try:
             size = file.stat().st_size
             digest = _sha256(file) if size == meta["bytes"] else None
@@ -394,10 +393,8 @@ def verify_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         elif digest != meta["sha256"]:
             problems.append(f"{name}: sha256 mismatch")
         else:
-            kind = manifest.get("kind", "periodic")
-            if kind not in KINDS:  # the directory's name says which kind it is
-                kind = "emergency" if _NAME_RE.match(path.name) and "-emergency-" in path.name else "periodic"
-            return CheckpointInfo(path=path, step=step, kind=kind, file=file, manifest=manifest)
+            return CheckpointInfo(path=path, step=step, kind=manifest.get("kind", "periodic"), file=file,
+                                  manifest=manifest)
     raise CheckpointError(f"{path} is corrupt ({'; '.join(problems)})")
 
 
@@ -412,7 +409,7 @@ def valid_checkpoints(ckpt_dir: str | os.PathLike, *, warn: Callable[[str], None
     """Every checkpoint that verifies, newest first (a resume falls back to an
     older one when the newest cannot be loaded); corrupt ones are skipped with
     a one-line warning (default: to stderr). `paths`: these directories instead."""
-    warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    warn = warn or _stderr
     for path in paths if paths is not None else [c[0] for c in _candidates(Path(ckpt_dir))]:
         try:
             yield verify_checkpoint(path)

@@ -25,12 +25,14 @@ USAGE = """trainwatch {launch,doctor,diagnose,explain,jobs,runbook,report,dashbo
 
 def cmd_launch(argv: list[str]) -> int:
     # Announced first: `diagnose` knows the job while the launcher imports the rest.
-    from trainwatch.watchdog.prescan import announce
+    from trainwatch.watchdog.prescan import announce, start_failure
 
     try:
         announced = announce(argv)
     except state.StateError as e:
         return fail(str(e))
+    except OSError as e:  # a full or read-only home: one line, nothing to undo yet
+        return fail(start_failure(e))
     from trainwatch.watchdog.launcher import LaunchError, launch
 
     try:
@@ -109,6 +111,18 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a reader that left is a BrokenPipeError caught below
+        return code
+    except BrokenPipeError:
+        # `trainwatch --help | true`, `trainwatch jobs | head -0`: the reader left; say nothing more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -125,11 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # `trainwatch jobs | head -0`: the reader left; say nothing more.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
 
 
 if __name__ == "__main__":

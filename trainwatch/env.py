@@ -70,3 +70,8 @@ dies with the launcher); ranks stop when their parent is no longer it."""
 STORE_BIND = "TRAINWATCH_STORE_BIND"
 """Address rank 0's TCPStore listens on (the launcher sets 127.0.0.1 for a single-node
 job): the worker group's store is not reachable from the machine's other addresses."""
+
+JOB_SECRET = "TRAINWATCH_JOB_SECRET"
+"""The job's secret (16+ bytes, the same on every node; or `launch --job-secret-file`):
+trainwatch's records in a multi-node job's rendezvous store are sealed with it
+(trainwatch.jobstore.RecordSeal). The launcher keeps it from the ranks' environment."""

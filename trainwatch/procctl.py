@@ -48,3 +48,38 @@ def process_state(pid: int) -> str | None:
         return None
     return {b"T": "stopped", b"t": "tracing-stop", b"R": "running", b"S": "sleeping", b"D": "disk-sleep",
             b"Z": "zombie", b"X": "zombie"}.get(code, "other")
+
+
+def sweep_marked(name: str, value: str, *, grace_s: float = 2.0, exclude: tuple[int, ...] = ()) -> list[int]:
+    """Stop this user's processes whose environment has name=value (a job's run
+    marker): what a rank started in a session of its own (`setsid`, a daemon)
+    escapes the process tree torchelastic stops, but not its environment.
+    SIGTERM, then SIGKILL after `grace_s`; returns the pids found."""
+    import time
+
+    import psutil
+
+    me = {os.getpid(), *exclude}
+    uid = os.getuid()
+    found = []
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.pid in me or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            if proc.environ().get(name) == value:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    for proc in found:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _gone, alive = psutil.wait_procs(found, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return [p.pid for p in found]

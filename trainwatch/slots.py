@@ -317,7 +317,17 @@ def create_segment(path: str, nslots: int) -> None:
         raise ValueError(f"cannot create the slot segment {path} ({e.strerror})") from None
     try:
         os.ftruncate(fd, size)
+        # The pages now, not at a rank's first write: a full /dev/shm is one line here, not a SIGBUS there.
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # a filesystem that cannot reserve: as before
+                raise
         os.pwrite(fd, HEADER.pack(MAGIC, LAYOUT_VERSION, nslots, SLOT_SIZE), 0)
+    except OSError as e:
+        os.unlink(path)
+        raise ValueError(f"cannot create the slot segment {path} ({e.strerror}; {size} bytes): free space in "
+                         f"{os.path.dirname(path)} (a container's --shm-size)") from None
     finally:
         os.close(fd)
 

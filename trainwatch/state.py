@@ -205,6 +205,7 @@ class JobDir:
         self.sidecar_config_file = self.control_dir / "sidecar-config.json"
         self.faults_file = self.control_dir / "faults.jsonl"
         self.errors_file = self.control_dir / "errors.jsonl"
+        self.store_key_file = self.control_dir / "store.key"  # the job secret, for this node's sidecar and diagnose
 
     def history_file(self, node: str) -> Path:
         """One history file per node; a hostname never escapes the directory."""
@@ -272,10 +273,10 @@ class JobDir:
     def telemetry(self) -> dict:
         return read_json(self.telemetry_file) or {}
 
-    def read_history(self) -> tuple[int, dict[int, dict[str, list]]]:
-        """All nodes' history of the job: (number of samples, per-rank series)."""
-        samples = historyfile.read_samples(sorted(self.history_dir.glob("*.jsonl")))
-        return len(samples), historyfile.per_rank(samples)
+    def read_history(self, limit: int = 2000) -> tuple[int, dict[int, dict[str, list]]]:
+        """All nodes' history: (samples, per-rank series of `limit` to 2 * `limit` points, thinned while read)."""
+        total, samples = historyfile.read_thinned(sorted(self.history_dir.glob("*.jsonl")), limit)
+        return total, historyfile.per_rank(samples)
 
     # launch.json: the job is known from the moment `launch` starts
     def announce_launch(self) -> Path | None:

@@ -11,13 +11,13 @@ next to it, checked by promtool in the tests.
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
 import sys
 from pathlib import Path
 
 from trainwatch import state
+from trainwatch.usage import Parser
 from trainwatch.dashboards.panels import DATASOURCE_UID
 
 PROVIDER_PATH = "${TRAINWATCH_DASHBOARDS}"
@@ -82,8 +82,8 @@ def _write(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="trainwatch dashboards",
+    p = Parser(
+        prog="trainwatch dashboards", usage_hint="usage: trainwatch dashboards [--out DIR] [--check]",
         description="Write trainwatch's Grafana dashboards and provisioning files.",
     )
     p.add_argument("--out", type=Path, default=Path("dashboards"), help="directory to write to (default: ./dashboards)")

@@ -85,6 +85,7 @@ class EmergencyCheckpointer:
         self.refused_step = -1
         """The step of a staged state not written because it held NaN/inf (-1: none)."""
         self._written_step = -1
+        self._failed_step = -1
         self._write_lock = threading.Lock()
 
     # ---- training thread ------------------------------------------------------------
@@ -144,7 +145,12 @@ class EmergencyCheckpointer:
         with self._write_lock:
             if self.last_written is not None and self._written_step == self.staged_step:
                 return self.last_written
-            return self._write(reason)
+            if self._failed_step == self.staged_step >= 0:
+                return None  # tried and said why: a second try of the same step says it again, no more
+            path = self._write(reason)
+            if path is None:
+                self._failed_step = self.staged_step
+            return path
 
     def _write(self, reason: str) -> str | None:
         from trainwatch.checkpoint import save_checkpoint

@@ -214,8 +214,10 @@ def train(cfg: TrainConfig, *, environ: dict[str, str] | None = None) -> TrainRe
         result = _run(cfg, rt, tw, state, resumed_from, first_step, say, writer, rollback)
     except Exception as e:
         # A peer died or a collective failed: save the last completed step this
-        # rank staged before exiting, so the restart loses nothing.
-        tw.emergency_save(f"training stopped: {type(e).__name__}")
+        # rank staged before exiting, so the restart loses nothing. Not when a
+        # checkpoint could not be written: the same disk says the same thing.
+        if not isinstance(e, ckpt.CheckpointError):
+            tw.emergency_save(f"training stopped: {type(e).__name__}")
         raise
     finally:
         if dist.is_initialized():

@@ -74,13 +74,22 @@ class RemoteCapture:
         self.store, self.n, self.nodes = store, n, nodes
 
     @classmethod
-    def ask(cls, job: dict, remote_rows: list[dict]) -> RemoteCapture | None:
+    def ask(cls, job: dict, remote_rows: list[dict], job_dir: state.JobDir) -> RemoteCapture | None:
         info = job.get("store") if isinstance(job.get("store"), dict) else {}
         nodes = {str(r.get("node")) for r in remote_rows if r.get("node")}
         if not nodes or not isinstance(info.get("endpoint"), str) or not isinstance(info.get("namespace"), str):
             return None
         try:
-            store = jobstore.JobStore(info["endpoint"], info["namespace"], timeout_s=3.0)
+            # The launcher's copy of the job secret; else the caller's environment.
+            secret_file = str(job_dir.store_key_file) if job_dir.store_key_file.is_file() else None
+            secret = jobstore.read_secret(secret_file=secret_file)
+        except jobstore.SecretError:
+            secret = None
+        if info.get("sealed") is True and secret is None:
+            return None  # the other nodes would not take an unsealed request
+        try:
+            store = jobstore.JobStore(info["endpoint"], info["namespace"], timeout_s=3.0,
+                                      seal=jobstore.RecordSeal(secret if info.get("sealed") is True else None))
             return cls(store, store.request_capture(str(job.get("node"))), nodes)
         except Exception:  # the rendezvous store is gone: this node's stacks only
             return None
@@ -194,7 +203,7 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
         per_rank = max(1.0, min(5.0, timeout_s - 1.0))
         here = job.get("node") if isinstance(job.get("node"), str) else None
         local = [r for r in ranks if here is None or r.get("node") in (here, "", None)]  # py-spy: our own pids only
-        remote = RemoteCapture.ask(job, [r for r in ranks if r not in local])
+        remote = RemoteCapture.ask(job, [r for r in ranks if r not in local], job_dir)
         groups, _where, _failed = capture_ranks(local, job=job_dir, label="diagnose", timeout_s=per_rank,
                                                 native=native)
         if remote is not None:

@@ -105,7 +105,7 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
             "duration_s": state.finite_number(e.get("duration_s")),
         })
     events.sort(key=lambda e: e["t"])
-    nsamples, series = d.read_history()
+    nsamples, series = d.read_history(MAX_POINTS)
     first = [s["t"][0] for s in series.values() if s["t"]]
     last = [s["t"][-1] for s in series.values() if s["t"]]
     # The time axis spans the job and everything recorded about it (a job
@@ -162,7 +162,8 @@ def _fmt_time(t: float) -> str:
 
 
 def render(data: dict[str, Any]) -> str:
-    esc = html.escape
+    def esc(text: str) -> str:  # control characters shown escaped, then HTML-escaped
+        return html.escape(printable(text))
     started = _fmt_time(data["start"])
     kinds = ", ".join(f"{esc(k)} {n}" for k, n in data["kinds"].items()) or "none"
     verdict = data["verdict"]

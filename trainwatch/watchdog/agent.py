@@ -23,6 +23,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from trainwatch import env, slots, state
 from trainwatch.watchdog import failures, warmstart
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
+from trainwatch.usage import printable
 
 log = logging.getLogger("trainwatch")
 
@@ -302,10 +303,12 @@ class TrainwatchAgent(LocalElasticAgent):
         # one that exits while waited on is waited on no longer.
         result = request_emergency_checkpoint(self.segment, self.emergency_timeout_s, local_ranks=alive,
                                               alive=running)
-        if result["requested"]:
+        # Every rank asked failed to write: each said why in its own line already.
+        said = result.get("failed") and not result.get("written") and set(result["failed"].values()) == {"write failed"}
+        if result["requested"] and not said:
             from trainwatch.watchdog.checkpointing import describe
 
-            print(f"[trainwatch] survivors: {describe(result)}", flush=True)
+            print(printable(f"[trainwatch] survivors: {describe(result)}", newlines=False), flush=True)
         self._on_event("survivors_checkpointed", result)
 
     def _take_restart_request(self) -> dict | None:

@@ -233,17 +233,58 @@ def _loss_slopes(sc: Source) -> dict[int, float]:
 class _Handler(_SilentHandler):
     timeout = IDLE_TIMEOUT_S
 
+    def handle(self):
+        try:
+            super().handle()
+        except TimeoutError:  # idle past the timeout (a port scan, a stuck scraper)
+            self.server.dropped("idle")
+        except OSError:  # reset or closed by the peer mid-request
+            self.server.dropped("reset")
+
+    def send_error(self, code, message=None, explain=None):
+        self.server.dropped("malformed")  # not HTTP, a line too long, a method we do not serve
+        super().send_error(code, message, explain)
+
+
+class _DroppedConnections(Collector):
+    """Connections the exporter closed without serving them, by reason."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def add(self, reason: str) -> None:
+        with self.lock:
+            self.counts[reason] = self.counts.get(reason, 0) + 1
+
+    def collect(self):
+        c = CounterMetricFamily("trainwatch_exporter_dropped_connections",
+                                "Connections the exporter closed without serving (idle, malformed, reset).",
+                                labels=["reason"])
+        for reason in ("idle", "malformed", "reset", "error"):
+            c.add_metric([reason], float(self.counts.get(reason, 0)))
+        yield c
+
 
 def serve_metrics(collector: Collector, host: str, port: int):
     """/metrics on host:port (loopback unless told otherwise), each connection on
     its own daemon thread, with an idle timeout and a deep listen backlog."""
 
+    dropped = _DroppedConnections()
+
     class Server(ThreadingWSGIServer):
         request_queue_size = LISTEN_BACKLOG
+
+        def dropped(self, reason: str) -> None:
+            dropped.add(reason)
+
+        def handle_error(self, request, client_address):  # counted, never a traceback in the job's log
+            dropped.add("error")
 
     Server.address_family, addr = _get_best_family(host, port)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    registry.register(dropped)
     server = make_server(addr, port, make_wsgi_app(registry), Server, handler_class=_Handler)
     threading.Thread(target=server.serve_forever, name="trainwatch-exporter", daemon=True).start()
     return server

@@ -134,7 +134,9 @@ class Aggregator:
         now = self.clock()
         for s in summaries:
             seen = self.nodes.get(s.node)
-            if seen is not None and seen.seq == s.seq:
+            # Not newer than what was seen: the same summary, or an old one
+            # written back to the store (a replay must not revive a lost node).
+            if seen is not None and s.seq <= seen.seq:
                 continue
             self.nodes[s.node] = _NodeSeen(s.seq, now, now - s.now, s.table, s.final)
 
@@ -215,7 +217,9 @@ class JobWideNode:
             self.aggregator = Aggregator(DetectorEngine(job_scope(detectors, aggregator=True),
                                                         config=sidecar.config.engine),
                                          lost_after_s=max(2.0, floor_s - LOST_MARGIN_S), clock=sidecar.clock)
-        self.published_seq = 0
+        # Sequence numbers start at the wall-clock millisecond: a sidecar started
+        # again goes on above its predecessor's, so the aggregator takes it.
+        self.published_seq = time.time_ns() // 1_000_000
         self.published_at = -1e9
         self.aggregated_at = -1e9
         # A sidecar started again mid-job takes only what comes from now on.
@@ -307,7 +311,12 @@ class JobWideNode:
 
     def job_metrics(self) -> Iterator:
         """Job-level series, from the aggregator only: an alert on them fires once
-        per job, not once per node."""
+        per job, not once per node. Rejected store records: every node."""
+        rejected = CounterMetricFamily(
+            "trainwatch_store_rejected", "Records in the rendezvous store that did not open with the job's "
+            "secret (forged, replayed under another key, or another job's); never acted on.", labels=["job", "node"])
+        rejected.add_metric([self.sidecar.job, self.sidecar.node], float(self.store.rejected))
+        yield rejected
         if self.aggregator is None:
             return
         table, _labels = self.aggregator.table()

@@ -22,8 +22,9 @@ import uuid
 
 from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.inject import spec as inject
+from trainwatch.usage import printable
 from trainwatch.views.summary import failure_summary
-from trainwatch.watchdog import failures, prescan, preflight, warmstart
+from trainwatch.watchdog import failures, guard, prescan, preflight, rendezvous, warmstart
 from trainwatch.watchdog.options import PREEMPTED_EXIT, LaunchConfig, LaunchError, parse
 
 log = logging.getLogger("trainwatch")
@@ -114,21 +115,21 @@ def _worker_command(args: argparse.Namespace, cmd, cmd_args: list[str]) -> tuple
 def launch(argv: list[str], announced: tuple[str, state.JobDir, liveness.RunLock] | None = None) -> int:
     """Run the job. `announced`: what `prescan.announce(argv)` returned when the
     caller announced the launch before importing this module (the CLI does)."""
-    if announced is None:
-        try:
-            announced = prescan.announce(argv)
-        except state.StateError as e:
-            raise LaunchError(str(e)) from None
-    early, marker, lock = announced
-    try:
-        return _launch(argv, early, marker, lock)
-    except LaunchError:
-        marker.withdraw_launch(failed=True)
-        raise
+    with guard.StartUp() as undo:  # a failed start: one line, and what it made is undone
+        if announced is None:
+            try:
+                announced = prescan.announce(argv)
+            except state.StateError as e:
+                raise LaunchError(str(e)) from None
+        early, marker, lock = announced
+        undo.append(lambda: marker.withdraw_launch(failed=True))
+        return _launch(argv, early, marker, lock, undo)
 
 
-def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock) -> int:
+def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock, undo: list) -> int:
     args, config = parse(argv, default_job=early)
+    # The ranks never need the job secret: it goes to the sidecar through an owner-only file.
+    os.environ.pop(env.JOB_SECRET, None)
     preflight.check_launch(args)  # the doctor's warnings; --strict stops on a failed check
     fr_size = os.environ.get(env.FR_BUFFER_SIZE)
     if fr_size is not None and not fr_size.strip().isdigit():
@@ -175,6 +176,11 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     if single_node and not args.local_addr:
         args.local_addr = "127.0.0.1"
     store_bind = "127.0.0.1" if single_node else args.local_addr
+    if store_bind is None and args.rdzv_endpoint and netbind.is_loopback(rendezvous.store_address(args.rdzv_endpoint)
+                                                                         .rpartition(":")[0]):
+        # Every node on this machine: rank 0's store need not be reachable elsewhere
+        # (and is advertised as loopback, so the other nodes' ranks find it there).
+        store_bind = args.local_addr = "127.0.0.1"
     if args.rdzv_id == "none":
         args.rdzv_id = config.job
     if args.rdzv_timeout is not None:
@@ -201,9 +207,13 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     # One segment per run and node: two launches never share one, whatever their homes.
     segment_path = os.path.join(slots.default_segment_dir(),
                                 f"trainwatch-{os.getuid()}-{config.job}@{state.safe_filename(node)}-{run_id}.slots")
+    if zygote is not None:
+        undo.append(zygote.close)
     try:
         slots.create_segment(segment_path, nslots)
+        undo.append(lambda: os.unlink(segment_path))
         segment = slots.Segment(segment_path)
+        undo.append(segment.close)
     except ValueError as e:
         raise LaunchError(str(e)) from None
 
@@ -263,7 +273,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         **launch_config.rdzv_configs,
     )
     try:
-        rdzv_handler, hosts_store = rendezvous_handler(rdzv_parameters, store_bind if single_node else None)
+        rdzv_handler, hosts_store = rendezvous.rendezvous_handler(rdzv_parameters, store_bind if single_node else None)
     except Exception as e:  # the rendezvous host unreachable: torch's RendezvousConnectionError, ...
         job_dir.update_job(status="failed", end_time=time.time(), exit_code=1)
         raise LaunchError(f"cannot reach the rendezvous at {launch_config.rdzv_endpoint} "
@@ -271,17 +281,20 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     # A multi-node job gets one job-wide watchdog through the rendezvous store.
     extra = []
     if not single_node and launch_config.rdzv_backend == "c10d":
-        extra = ["--store", _store_address(launch_config.rdzv_endpoint), "--store-namespace", launch_config.run_id]
-        extra += ["--aggregate"] if hosts_store else []
-        job_dir.update_job(store={"endpoint": extra[1], "namespace": extra[3]})  # for diagnose's remote stacks
+        extra = guard.store_sidecar_args(job_dir, rendezvous.store_address(launch_config.rdzv_endpoint), launch_config.run_id,
+                                         aggregate=hosts_store, secret=config.job_secret, undo=undo)
+    guard.warn_exposure(metrics_host=config.metrics_host if config.metrics_port >= 0 else None,
+                        store=extra[1] if extra else None, rank_store_bind=store_bind,
+                        sealed=config.job_secret is not None)
     sidecar = SidecarProcess(config, segment_path, node, run_id, extra)
+    undo.append(sidecar.stop)
     sidecar.start()
     ready = sidecar.wait_ready()
     metrics = ready.get("metrics")
     job_dir.update_job(sidecar_pid=sidecar.proc.pid if sidecar.proc else None, metrics=metrics)
     if metrics:
         print(f"[trainwatch] metrics: http://{metrics}/metrics", flush=True)
-        target = state.write_scrape_target(config.job, node, _reachable(metrics))
+        target = state.write_scrape_target(config.job, node, rendezvous.reachable(metrics))
         if target is None:
             print(f"[trainwatch] warning: cannot write the Prometheus target under {state.targets_dir()}; "
                   "set TRAINWATCH_TARGETS_DIR to a writable directory", flush=True)
@@ -320,6 +333,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     )
 
     status, code = "failed", 1
+    undo.clear()  # from here the clean-up below owns the segment, the sidecar and the zygote
     try:
         result = agent.run()
         from torch.distributed.elastic.agent.server.api import WorkerState
@@ -333,11 +347,13 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         else:
             status, code = "succeeded", 0
     except ChildFailedError as e:
-        print(f"[trainwatch] job {config.job} failed: {e}", file=sys.stderr, flush=True)
+        # torchelastic's summary quotes the ranks' own error files: shown, never acted on by the terminal.
+        print(printable(f"[trainwatch] job {config.job} failed: {e}"), file=sys.stderr, flush=True)
     except RENDEZVOUS_ERRORS as e:
-        print(f"[trainwatch] job {config.job} failed: the nodes did not meet again ({type(e).__name__}: "
-              f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); a node was lost and no replacement "
-              "joined within the rendezvous timeout (--rdzv-timeout)", file=sys.stderr, flush=True)
+        print(printable(f"[trainwatch] job {config.job} failed: the nodes did not meet again ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); a node was lost and no "
+                        "replacement joined within the rendezvous timeout (--rdzv-timeout)"), file=sys.stderr,
+              flush=True)
     except KeyboardInterrupt:
         status, code = "stopped", 130
     except Exception as e:  # SignalException from torchelastic on SIGTERM/SIGINT
@@ -366,7 +382,12 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
             # Idle, holding nothing: its interpreter's own teardown (a second with
             # torch imported) need not delay the job's exit.
             agent.zygote.close(timeout_s=0.3)
+        guard.sweep_run(run_id)  # a rank's `setsid` child does not outlive the job
         state.remove_scrape_target(config.job, node)
+        try:
+            job_dir.store_key_file.unlink()
+        except OSError:
+            pass
         nonfinite = None
         if status == "succeeded" and config.nan_policy == "fail":
             nonfinite = failures.nonfinite_end(job_dir, segment.read_table(), segment.nslots, run_id)
@@ -388,67 +409,6 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
             cause = f"{agent.fatal[0].describe()} ({agent.fatal[1]}; not restarted)"
         elif nonfinite:
             cause = nonfinite
-        print(failure_summary(config.job, agent.restart_count, args.max_restarts, cause), file=sys.stderr, flush=True)
+        print(printable(failure_summary(config.job, agent.restart_count, args.max_restarts, cause)), file=sys.stderr,
+              flush=True)
     return code
-
-
-def rendezvous_handler(params, bind: str | None):
-    """torchelastic's rendezvous handler; for a c10d rendezvous this node hosts,
-    with its store listening on `bind` only (not every interface)."""
-    from datetime import timedelta
-
-    from torch.distributed.elastic.rendezvous import registry
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-    if params.backend != "c10d":
-        return registry.get_rendezvous_handler(params), False
-    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
-    timeout = timedelta(seconds=int(params.get_as_int("read_timeout", 60) or 60))
-    if not bind:
-        # Multi-node: the node that hosts the store listens on the endpoint's
-        # address only; the other nodes (and a second agent on this machine,
-        # which finds the port taken) connect as torchelastic would.
-        bind = _endpoint_address(host, params)
-        if bind is None:
-            return registry.get_rendezvous_handler(params), False
-        try:
-            store = netbind.bound_store(bind, port, timeout=timeout)
-        except OSError:
-            return registry.get_rendezvous_handler(params), False
-    else:
-        store = netbind.bound_store(bind, port, timeout=timeout)
-    return create_handler(store, C10dRendezvousBackend(store, params.run_id), params), True
-
-
-def _reachable(address: str) -> str:
-    """An exporter bound to every interface is listed under this machine's name
-    (a Prometheus elsewhere cannot scrape 0.0.0.0)."""
-    host, _, port = address.rpartition(":")
-    return f"{socket.getfqdn()}:{port}" if host.strip("[]") in ("0.0.0.0", "::", "") else address
-
-
-def _store_address(endpoint: str) -> str:
-    host, _, port = endpoint.rpartition(":")
-    return f"{host or '127.0.0.1'}:{port if port.isdigit() else 29400}" if host else f"{endpoint}:29400"
-
-
-def _endpoint_address(host: str, params) -> str | None:
-    """The local address to host the rendezvous store on, or None when this
-    node does not host it (torchelastic's own test: is_host, else the name)."""
-    try:  # private in torch; without it, leave hosting to torchelastic
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-            _matches_machine_hostname,
-        )
-    except ImportError:
-        return None
-    is_host = params.get_as_bool("is_host")
-    if is_host is False or (is_host is None and not _matches_machine_hostname(host)):
-        return None
-    try:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-    except (OSError, IndexError):
-        return None

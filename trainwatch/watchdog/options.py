@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainwatch import env, flags, state
+from trainwatch import env, flags, jobstore, state
 from trainwatch.inject import spec as inject
 from trainwatch.watchdog.config import FLAG_ALIASES, SidecarConfig, launch_flags
 
@@ -51,6 +51,10 @@ class LaunchConfig:
     """Signals to the launcher that mean preemption: checkpoint every rank, then stop (names, no SIG)."""
     preempt_grace_s: float = 30.0
     """Seconds ranks get to write their preemption checkpoint."""
+    job_secret: bytes | None = None
+    """The job's secret sealing trainwatch's records in a multi-node job's rendezvous store."""
+    insecure_store: bool = False
+    """A multi-node job run without a job secret, knowingly (--insecure-store)."""
 
 
 class _ParseError(Exception):
@@ -93,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "several share a machine).")
     tw.add_argument("--rdzv-timeout", type=float, default=None, metavar="S",
                     help="Seconds to wait for every node at a (re-)rendezvous before giving up (default 600).")
+    tw.add_argument("--job-secret-file", default=None, metavar="FILE",
+                    help=f"File holding the job's secret (16+ bytes, the same on every node; or ${env.JOB_SECRET}): "
+                    "seals trainwatch's records in a multi-node job's rendezvous store. Required with --nnodes > 1.")
+    tw.add_argument("--insecure-store", action="store_true",
+                    help="Run a multi-node job without a job secret: anyone who reaches the rendezvous port can "
+                    "read the job's telemetry and stacks and steer its watchdog.")
     tw.add_argument("--no-warm-start", action="store_true",
                     help="Start every worker as a fresh interpreter, as torchrun does (default: fork workers from a "
                     "per-node process that imported torch once, so a restart does not pay for it again).")
@@ -156,11 +166,13 @@ def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Nam
         raise LaunchError(f"--preempt-grace-s must be a positive number of seconds; got {args.preempt_grace_s}")
     if not args.no_python:
         check_entry(args.training_script, module=bool(args.module))
+    secret = _job_secret(args)
     if args.module and args.training_script == DEFAULT_MODULE:
         check_trainer_args(job, args.training_script_args)
     return args, LaunchConfig(job=job, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                               faults=faults, sidecar=sidecar, nan_policy=args.nan_policy,
-                              preempt_signals=preempt, preempt_grace_s=args.preempt_grace_s)
+                              preempt_signals=preempt, preempt_grace_s=args.preempt_grace_s, job_secret=secret,
+                              insecure_store=bool(args.insecure_store and secret is None))
 
 
 def parse_preempt_signals(value: str) -> tuple:
@@ -173,6 +185,25 @@ def parse_preempt_signals(value: str) -> tuple:
         raise LaunchError(f"--preempt-signals takes {', '.join(PREEMPT_SIGNALS)} (comma-separated) or none; "
                           f"got {value!r}")
     return tuple(dict.fromkeys(names))
+
+
+def _job_secret(args: argparse.Namespace) -> bytes | None:
+    """The job secret; a multi-node job refuses to start without one unless --insecure-store."""
+    try:
+        secret = jobstore.read_secret(secret_file=args.job_secret_file)
+    except jobstore.SecretError as e:
+        raise LaunchError(str(e)) from None
+    if secret is None and not args.insecure_store and _max_nodes(args) > 1:
+        raise LaunchError(f"a multi-node job needs a job secret (anyone who reaches the rendezvous port could "
+                          f"otherwise steer it): set {env.JOB_SECRET} or give --job-secret-file FILE, the same on "
+                          "every node (e.g. `openssl rand -hex 32`), or --insecure-store to run without one")
+    return secret
+
+
+def _max_nodes(args: argparse.Namespace) -> int:
+    from torch.distributed.run import parse_min_max_nnodes
+
+    return parse_min_max_nnodes(str(args.nnodes))[1]
 
 
 def _check_torchrun_options(args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ import socket
 from trainwatch import env, liveness, state
 
 # torchrun and trainwatch options that take no value (every other option does).
-_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
+_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--insecure-store", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
                     "-h", "--help"})
 
 
@@ -60,3 +60,10 @@ def announce(argv: list[str]) -> tuple[str, state.JobDir, liveness.RunLock]:
     lock = liveness.acquire(marker)  # one live run per job name
     marker.announce_launch()
     return early, marker, lock
+
+
+def start_failure(error: OSError) -> str:
+    """The one line a start-up that ran out of room (or write access) says."""
+    where = f" ({error.filename})" if error.filename else ""
+    return (f"cannot start the job: {error.strerror or error}{where}; free space in {state.home()} or set "
+            f"{env.HOME} to a writable directory with room")

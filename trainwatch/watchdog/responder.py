@@ -29,6 +29,7 @@ from trainwatch.capture import capture_ranks
 from trainwatch.diagnostics.verdict import decide
 from trainwatch.watchdog.checkpointing import describe as describe_checkpoint
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
+from trainwatch.usage import printable
 
 log = logging.getLogger("trainwatch.sidecar")
 
@@ -193,7 +194,8 @@ class Responder:
         def done(part: dict) -> None:
             results.update(part)
             ctx.job.append_event({"kind": "action", "incident": record.get("id"), "time": time.time(), **part})
-            print(f"[trainwatch] {kind} {record.get('id')}: {describe(part)}", file=ctx.out, flush=True)
+            print(printable(f"[trainwatch] {kind} {record.get('id')}: {describe(part)}", newlines=False), file=ctx.out,
+                  flush=True)
 
         t0 = time.monotonic()
         if self.policy.capture and kind in CAPTURE_KINDS:

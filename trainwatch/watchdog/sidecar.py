@@ -33,7 +33,8 @@ from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, ser
 from trainwatch.watchdog.hardware import HardwareMonitor
 from trainwatch.watchdog.history import HistoryWriter
 from trainwatch.watchdog.incident import Incident
-from trainwatch.jobstore import JobStore
+from trainwatch.jobstore import JobStore, RecordSeal, read_secret
+from trainwatch.usage import printable
 from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.recovery import RestartTracker
 from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate, incident_step
@@ -281,11 +282,12 @@ class Sidecar:
         culprits = ",".join(str(r) for r in record.get("culprit_ranks") or []) or "-"
         if record.get("scope") == "job" and record.get("nodes"):
             culprits += f" on node {','.join(map(str, record['nodes']))}"
-        print(f"[trainwatch] INCIDENT {kind} culprit rank(s) {culprits}: {record.get('summary', '')}"
-              + (f" (runbook: trainwatch runbook {record['runbook']})" if record.get("runbook") else "")
-              + f" [{record['id']}]", file=self.out, flush=True)
+        # Summaries carry what ranks and logs said (op names, errors): never raw to the terminal.
+        print(printable(f"[trainwatch] INCIDENT {kind} culprit rank(s) {culprits}: {record.get('summary', '')}"
+                        + (f" (runbook: trainwatch runbook {record['runbook']})" if record.get("runbook") else "")
+                        + f" [{record['id']}]", newlines=False), file=self.out, flush=True)
         if why:
-            print(f"[trainwatch] {why}", file=self.out, flush=True)
+            print(printable(f"[trainwatch] {why}", newlines=False), file=self.out, flush=True)
         span = self.tracer.start(record) if self.tracer is not None else None
         if self.responder is not None:
             self.responder.submit(Response(record, restart, generation, span))
@@ -394,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default=None, help="HOST:PORT of the rendezvous store (multi-node job)")
     p.add_argument("--store-namespace", default="", help="the job's rendezvous id (same on every node)")
     p.add_argument("--aggregate", action="store_true", help="run the job-wide detectors (the rendezvous host)")
+    p.add_argument("--job-secret-file", default=None, help="the job's secret: seals trainwatch's store records")
     args = p.parse_args(argv)
     if args.launcher_pid:
         # SIGHUP, not SIGTERM: the launcher stops us with SIGTERM when the job
@@ -416,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     jobstore = None
     if args.store:
         try:
-            jobstore = JobStore(args.store, args.store_namespace or args.job)
+            seal = RecordSeal(read_secret(secret_file=args.job_secret_file, environ={}))
+            jobstore = JobStore(args.store, args.store_namespace or args.job, seal=seal)
             jobstore.register(args.node)
         except Exception as e:
             print(f"[trainwatch] job-wide view off: cannot reach the rendezvous store {args.store} ({e}); "
