@@ -51,6 +51,8 @@ class TrainwatchAgent(LocalElasticAgent):
         self._survivors_saved = -1
         self._usage_failures = 0
         self._first_failed: set[int] = set()
+        self._reported_early: set[int] = set()
+        """Pids of failed workers already written to exits.jsonl (before the survivors' checkpoint)."""
         self.zygote = zygote
         """Warm start: workers are forked from it (None: fresh interpreters, as torchrun)."""
 
@@ -169,27 +171,12 @@ class TrainwatchAgent(LocalElasticAgent):
         lines = []
         for rank, failure in result.failures.items():
             worker = by_rank.get(rank)
-            signal_name = None
-            if failure.exitcode is not None and failure.exitcode < 0:
-                try:
-                    signal_name = signal.Signals(-failure.exitcode).name
-                except ValueError:
-                    signal_name = f"SIG{-failure.exitcode}"
-            lines.append(
-                {
-                    "rank": rank,
-                    "local_rank": worker.local_rank if worker else failure.local_rank,
-                    "pid": failure.pid,
-                    "exitcode": failure.exitcode,
-                    "signal_name": signal_name,
-                    "node": self.node,
-                    "run": self.run_id,
-                    "time": time.time(),
-                    "first": (worker.local_rank if worker else failure.local_rank) in self._first_failed,
-                }
-            )
+            local_rank = worker.local_rank if worker else failure.local_rank
+            lines.append(exit_line(rank, local_rank, failure.pid, failure.exitcode, node=self.node, run=self.run_id,
+                                   first=local_rank in self._first_failed))
         for line in lines:
-            state.append_line(self.dir.exits_file, json.dumps(line))
+            if line["pid"] not in self._reported_early:
+                state.append_line(self.dir.exits_file, json.dumps(line))
         self._on_event("workers_failed", {"exits": lines})
 
     def _checkpoint_survivors(self) -> None:
@@ -208,6 +195,15 @@ class TrainwatchAgent(LocalElasticAgent):
         self._survivors_saved = self.restart_count
         # Dead while the others still run: the root cause, whatever follows.
         self._first_failed = {lr for lr, code in codes.items() if code not in (None, 0)}
+        # Said at once, before the survivors' checkpoint (seconds): the sidecar
+        # records the crash now, not when torchelastic's poll reports it.
+        by_local = {w.local_rank: w for w in self._worker_group.workers}
+        for lr in sorted(self._first_failed):
+            worker, pid = by_local.get(lr), getattr(handlers[lr].proc, "pid", None)
+            if worker is not None and isinstance(pid, int):
+                self._reported_early.add(pid)
+                state.append_line(self.dir.exits_file, json.dumps(exit_line(
+                    worker.global_rank, lr, pid, codes[lr], node=self.node, run=self.run_id, first=True)))
         alive = [lr for lr, code in codes.items() if code is None]
         if not alive:
             return
@@ -240,3 +236,15 @@ class TrainwatchAgent(LocalElasticAgent):
             log.warning("trainwatch: ignoring a restart request for an earlier worker group (%s)", request.get("reason"))
             return None
         return request
+
+
+def exit_line(rank: int, local_rank: int, pid: int, exitcode: int | None, *, node: str, run: str, first: bool) -> dict:
+    """One record of exits.jsonl (what the sidecar's exit detector reads)."""
+    signal_name = None
+    if exitcode is not None and exitcode < 0:
+        try:
+            signal_name = signal.Signals(-exitcode).name
+        except ValueError:
+            signal_name = f"SIG{-exitcode}"
+    return {"rank": rank, "local_rank": local_rank, "pid": pid, "exitcode": exitcode, "signal_name": signal_name,
+            "node": node, "run": run, "time": time.time(), "first": first}
