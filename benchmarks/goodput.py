@@ -28,7 +28,8 @@ ends with: steps lost to a restart and re-run count once) x the fault-free
 step time (the mean interval between two consecutive steps of one process,
 in the same run, stalls over 3x the median left out) / wall time. Badput from the logs: `startup` (launch to the
 first step on every rank), `recompute` (per restart, steps lost x step time)
-and `down` (the rest: detection, restarts, time hung). trainwatch's own
+and `down` (the rest: detection, restarts, time hung, steps computed with
+wrong values after an undetected collective skip). trainwatch's own
 zero-code account (telemetry.json) is reported beside it, by cause: it runs
 from its sidecar's start (a few seconds after the launch) and counts the
 recomputed steps of a script that numbers no steps as unknown.
@@ -191,15 +192,17 @@ def run(tool: str, topo: tuple[int, int], args, faults: list) -> dict:
                 pass
     for p in procs:
         reap(p, timeout=20)
-    res = measure(work, world, t0, t_end)
+    res = measure(work, world, t0, t_end, fired)
     res.update(tool=tool, topology=f"{nnodes}x{nproc}", faults=len(fired),
                fault_kinds={k: sum(1 for f in fired if f["kind"] == k) for k in FAULT_KINDS},
                exited_early=any(p.returncode not in (None, 0, -15) for p in procs) and t_end - t0 < seconds - 1)
     if tool == "trainwatch":
-        tel = work / "home0" / "jobs" / f"gp-{work.name}"
-        own = (json.loads((tel / "telemetry.json").read_text()) if (tel / "telemetry.json").exists() else {})
+        # node 0 hosts the store: on a multi-node job its sidecar aggregates (jobs/<job>/nodes/n0/)
+        job_dir = work / "home0" / "jobs" / f"gp-{work.name}"
+        tel = next(iter(sorted(job_dir.rglob("telemetry.json"))), None)
+        own = json.loads(tel.read_text()) if tel is not None else {}
         res["trainwatch_account"] = own.get("goodput")
-        res["incidents"] = _incident_kinds(tel / "events.jsonl")
+        res["incidents"] = _incident_kinds(next(iter(sorted(job_dir.rglob("events.jsonl"))), job_dir / "events.jsonl"))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     else:
@@ -215,8 +218,13 @@ def _incident_kinds(path: Path) -> dict:
     return kinds
 
 
-def measure(work: Path, world: int, t0: float, t_end: float) -> dict:
-    """Goodput from the script's logs, the same for every tool."""
+def measure(work: Path, world: int, t0: float, t_end: float, fired: list[dict] = ()) -> dict:
+    """Goodput from the script's logs, the same for every tool.
+
+    A collective skip nobody caught leaves every later step computing with
+    wrong values (a gradient all-reduce paired with another step's), and so
+    does a restart from a checkpoint written after it: those steps are not
+    progress. Net progress then stops at the last step before the skip."""
     recs = {r: [x for x in read_jsonl(work / "logs" / f"rank{r}.jsonl") if x["mono"] <= t_end] for r in range(world)}
     steps = {r: [x for x in v if x["ev"] == "step"] for r, v in recs.items()}
     wall = t_end - t0
@@ -241,6 +249,16 @@ def measure(work: Path, world: int, t0: float, t_end: float) -> dict:
         mine = [x["step"] for x in steps[r] if x["pid"] == newest["pid"]]
         reached.append(max(mine, default=newest.get("resumed_from", 0)))
     net = min(reached)
+    desynced = None
+    for f in sorted((f for f in fired if f["kind"] == "collective_skip"), key=lambda f: f["mono"]):
+        clean = max((x["step"] for x in steps[f["rank"]] if x["mono"] < f["mono"]), default=0)
+        final_start = min(max(x["mono"] for x in recs[r] if x["ev"] == "start") for r in range(world))
+        resumed = min(max((x for x in recs[r] if x["ev"] == "start"), key=lambda x: x["mono"]).get("resumed_from", 0)
+                      for r in range(world))
+        if final_start < f["mono"] or resumed > clean:
+            desynced = {"at_s": round(f["mono"] - t0, 1), "clean_step": clean, "steps_not_counted": max(0, net - clean)}
+            net = min(net, clean)
+            break
     startup = max(min(x["mono"] for x in v) for v in steps.values()) - t0
     starts = sorted((x for x in recs[0] if x["ev"] == "start"), key=lambda x: x["mono"])
     recompute_steps = 0
@@ -251,7 +269,7 @@ def measure(work: Path, world: int, t0: float, t_end: float) -> dict:
     productive = net * step_s
     recompute = min(recompute_steps * step_s, max(0.0, wall - productive - startup))
     return {"goodput": round(productive / wall, 4), "steps": net, "wall_s": round(wall, 1),
-            "step_s": round(step_s, 4), "restarts": len(starts) - 1,
+            "step_s": round(step_s, 4), "restarts": len(starts) - 1, "desynced": desynced,
             "badput_s": {"startup": round(startup, 1), "recompute": round(recompute, 1),
                          "down": round(max(0.0, wall - productive - startup - recompute), 1)}}
 
