@@ -54,6 +54,12 @@ FAULTS = {
                         "until a rank exits; then 'Connection closed by peer'"),
     "crash": (f"crash:rank={CULPRIT},step=8", "crash",
               "notices the exit within its 0.1 s monitor interval; the peers' gloo errors follow"),
+    # A rank that can never step again, seen in its process state (goal: 1 s or less).
+    "stopped": (f"stop:rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
+    "exited": (f"crash:code=1,rank={CULPRIT},step=8", "crash",
+               "notices the exit within its 0.1 s monitor interval; the peers' gloo errors follow"),
+    "zombie": (f"zombie:rank={CULPRIT},step=8", "crash",
+               "nothing: the process is alive to torchrun's poll; the peers wait in gloo for 30 min"),
     "straggler": (f"straggler:delay=0.3,rank={CULPRIT},step=5", "straggler", "nothing: the job just runs slower"),
     # The same straggler in an unmodified DDP script (FAULT_WORKLOAD): found by collective arrival order.
     "straggler_zero_code": (f"straggler:delay=0.3,rank={CULPRIT},step=5", "straggler",

@@ -162,7 +162,8 @@ def test_every_reference_resolves_and_every_query_filters():
             # Every selector filters by job and node; those with a rank label by rank too.
             for metric, matchers in re.findall(r"(trainwatch_\w+)\{([^}]*)\}", expr):
                 assert 'job=~"$job"' in matchers and 'node=~"$node"' in matchers, (where, metric)
-                if not metric.startswith(("trainwatch_incident", "trainwatch_restarts")):
+                if not metric.startswith(("trainwatch_incident", "trainwatch_restarts", "trainwatch_goodput",
+                                           "trainwatch_badput")):
                     assert 'rank=~"$rank"' in matchers, (where, metric)
             assert not re.search(r"trainwatch_\w+(?![\w{])", expr), f"{where}: unfiltered metric in {expr}"
 
@@ -172,7 +173,8 @@ def test_each_dashboard_covers_its_signals():
     overview = d["trainwatch-overview.json"]
     for needle in ("rate(trainwatch_step{", "trainwatch_loss{", "histogram_quantile(0.5,", "histogram_quantile(0.99,",
                    "trainwatch_step_duration_seconds_bucket{", "trainwatch_last_progress_age_seconds{",
-                   "trainwatch_incidents_total{", "trainwatch_restarts_total{"):
+                   "trainwatch_incidents_total{", "trainwatch_restarts_total{", "trainwatch_goodput_ratio{",
+                   "trainwatch_badput_seconds_total{"):
         assert needle in exprs(overview), needle
     annotations = {a["name"]: a["expr"] for a in overview["annotations"]["list"]}
     assert "trainwatch_incidents_total" in annotations["Incidents"] and "trainwatch_restarts_total" in annotations["Restarts"]

@@ -8,6 +8,7 @@ import pytest
 
 from trainwatch import state
 from trainwatch.cli import main
+from trainwatch.diagnostics.goodput import GoodputLedger
 from trainwatch.diagnostics.stack_groups import StackGroup
 from trainwatch.diagnostics.verdict import decide
 
@@ -102,6 +103,25 @@ def test_finished_job_shows_its_last_incident(home, capsys):
     assert report["verdict"]["runbook"] == "torch-save"
     assert main(["diagnose", "done"]) == 0
     assert "verdict: checkpoint_io" in capsys.readouterr().out
+
+
+def test_diagnose_says_the_goodput_the_sidecar_counted(home, capsys):
+    d = state.JobDir("gp").create()
+    d.update_job(status="succeeded", start_time=1.0, launcher_pid=999999999)
+    ledger = GoodputLedger(started=0.0)
+    ledger.stepped(4.0)
+    ledger.opened("c", "crash", detected=50.0, fault=50.0, restarting=True)
+    ledger.recovered("c", 58.0, recovery_s=8.0, recompute_s=2.0)
+    state.write_json_atomic(d.telemetry_file, {"ranks": [], "goodput": ledger.account(100.0).to_json()})
+    assert main(["diagnose", "gp", "--json"]) == 0
+    gp = json.loads(capsys.readouterr().out)["goodput"]
+    assert gp["ratio"] == 0.86 and gp["badput_s"]["restart"] == 8.0 and gp["badput_s"]["recompute"] == 2.0
+    assert main(["diagnose", "gp"]) == 0
+    assert "goodput 86.0% of 100 s: lost 8 s to restarts, 2 s of recomputed steps, 4 s to start-up" \
+        in capsys.readouterr().out
+    state.write_json_atomic(d.telemetry_file, {"goodput": [1, 2]})  # not ours: no goodput, no traceback
+    assert main(["diagnose", "gp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["goodput"] is None
 
 
 def test_runbook_command(home, capsys):

@@ -7,6 +7,7 @@ test answers for them through the rank side of the slot), a virtual clock."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainwatch import slots
+from trainwatch import slots, state
 from trainwatch.rank.slotwriter import SlotWriter
 from trainwatch.watchdog.checkpointing import (
     EXITED,
@@ -179,12 +180,25 @@ def test_agent_survivors_ask_only_ranks_with_state_and_say_what_was_written(tmp_
         wait_until(lambda: handlers[0].proc.poll() is not None, what="local rank 0 to exit")
         seg, ws = segment(tmp_path, [h.proc.pid for h in handlers.values()], [False, True, False])
         events: list = []
+        job = state.JobDir("early", root=tmp_path).create()
+        workers = [SimpleNamespace(local_rank=i, global_rank=10 + i) for i in range(3)]
         agent = SimpleNamespace(_survivors_saved=-1, restart_count=0, _first_failed=set(), segment=seg,
                                 _pcontext=SimpleNamespace(subprocess_handlers=handlers), emergency_timeout_s=600.0,
-                                _on_event=lambda kind, data: events.append((kind, data)))
-        rank = threading.Thread(target=lambda: (
-            wait_until(lambda: seg.read_control(1)[0], 60, what="local rank 1 to be asked"),
-            answer(seg, ws[1], 1, 7)))
+                                _on_event=lambda kind, data: events.append((kind, data)), dir=job, node="n0",
+                                run_id="r1", _worker_group=SimpleNamespace(workers=workers), _reported_early=set(),
+                                _early_exits=set(), _finished=lambda lr: True)
+
+        def exits_so_far():
+            return [json.loads(line) for line in job.exits_file.read_text().splitlines()]
+
+        def ask_after_the_exit_is_said():
+            # The dead rank's exit is written before any survivor is asked to checkpoint.
+            wait_until(lambda: seg.read_control(1)[0], 60, what="local rank 1 to be asked")
+            said.extend(exits_so_far())
+            answer(seg, ws[1], 1, 7)
+
+        said: list = []
+        rank = threading.Thread(target=ask_after_the_exit_is_said)
         rank.start()
         out = io.StringIO()
         with redirect_stdout(out):
@@ -196,6 +210,9 @@ def test_agent_survivors_ask_only_ranks_with_state_and_say_what_was_written(tmp_
         assert seg.read_control(2)[0] == 0
         assert "[trainwatch] survivors: emergency checkpoint of step 7 by 1 of 1 rank(s)" in out.getvalue()
         assert "rank(s) 2 registered no state, not asked" in out.getvalue()
+        assert [(e["rank"], e["local_rank"], e["exitcode"], e["first"], e["run"]) for e in said] == [
+            (10, 0, 3, True, "r1")]
+        assert agent._reported_early == {handlers[0].proc.pid}
     finally:
         for h in handlers.values():
             if h.proc.poll() is None:

@@ -18,6 +18,7 @@ from util import BIN, ROOT, env_for, events, job_json, stop_group, trainwatch, w
 
 from trainwatch import historyfile, rankrow, state
 from trainwatch.rank.slotwriter import SlotWriter
+from trainwatch.diagnostics.goodput import GoodputLedger
 from trainwatch.views import report
 from trainwatch.watchdog import history
 
@@ -417,3 +418,22 @@ def test_report_out_never_replaces_a_link_or_a_device(home, tmp_path):
     r = trainwatch(home, "report", "synth", "--out", "/dev/null")
     assert r.returncode == 0, r.stderr
     assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+
+
+def test_report_shows_the_goodput_as_a_stacked_time_bar(home):
+    d = state.JobDir("synth")
+    fake_job(home)
+    ledger = GoodputLedger(started=0.0)
+    ledger.stepped(10.0)
+    ledger.opened("h", "hang", detected=50.0, fault=45.0)
+    ledger.resolved("h", 60.0)
+    state.write_json_atomic(d.telemetry_file, {"ranks": [], "goodput": ledger.account(100.0).to_json()})
+    data = report.collect("synth", now=1_700_000_100.0)
+    assert data["goodput"]["ratio"] == 0.75 and data["goodput"]["badput_s"]["hung"] == 10.0
+    page = report.render(data)
+    assert "goodput 75.0% of 100 s: lost 15 s to 1 hang, 10 s to start-up" in page
+    assert 'class="gp gp-productive" style="width:75.000%"' in page and 'gp-hung" style="width:10.000%"' in page
+    # a goodput record of the wrong shape is no goodput, never a traceback
+    state.write_json_atomic(d.telemetry_file, {"goodput": {"ratio": "high", "wall_s": 3}})
+    data = report.collect("synth", now=1_700_000_100.0)
+    assert data["goodput"] is None and "no goodput recorded" in report.render(data)

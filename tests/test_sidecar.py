@@ -87,6 +87,19 @@ def test_hang_is_one_incident_with_outputs(job):
     assert 'trainwatch_incidents_total{job="sc",kind="hang",node="n0"} 1.0' in text
     assert 'trainwatch_step{job="sc",node="n0",rank="2"} 29.0' in text
     assert "trainwatch_step_duration_seconds_bucket" in text
+    # Goodput: start-up to the first step, productive until rank 2 stopped, then
+    # detection (its last progress to the incident) and the time since.
+    gp = sc.goodput_now()
+    detected = found[0]["detected_mono"]
+    assert gp.wall_s == pytest.approx(clock.t - 1000.0)
+    assert gp.badput_s["startup"] == 0.5 and gp.productive_s == pytest.approx(t_stop - 1000.5)
+    assert gp.badput_s["detection"] == pytest.approx(detected - t_stop)
+    assert gp.badput_s["hung"] + gp.badput_s["capture_checkpoint"] == pytest.approx(clock.t - detected)
+    assert f'trainwatch_goodput_ratio{{job="sc",node="n0"}} {gp.ratio}' in text
+    for cause in ("startup", "detection", "capture_checkpoint", "restart", "recompute", "hung"):
+        assert f'trainwatch_badput_seconds_total{{cause="{cause}",job="sc",node="n0"}}' in text
+    sc.write_snapshot()
+    assert json.loads(state.JobDir("sc").telemetry_file.read_text())["goodput"]["wall_s"] == round(gp.wall_s, 3)
 
 
 def test_a_failing_round_never_ends_the_loop(job):

@@ -15,6 +15,13 @@ not exist yet (it creates it), i.e. once per job, not again after a restart.
 (time.time) and CLOCK_MONOTONIC timestamps: start (pid, restart count, step
 resumed from), every completed step, the hang, the end.
 
+--fault-dir DIR: faults asked for from outside while the job runs (the chaos
+goodput benchmark, benchmarks/goodput.py): before each step rank R takes the
+file DIR/rank<R>.hang (it sleeps forever) or DIR/rank<R>.skip (it runs the
+step without DDP's gradient all-reduce, `no_sync`: its peers' all-reduces then
+pair with its next step's, a collective desync); each file acts once, in the
+first process that removes it.
+
 --nvrx: heartbeats to NVIDIA Resiliency Extension's rank monitor (ft_launcher)
 after every step; with --nvrx-learn-at N the heartbeat timeouts are learnt
 (calculate_and_set_hb_timeouts) after step N and kept in the checkpoint.
@@ -24,6 +31,7 @@ A script given to `recovery.py --script PATH` must accept these flags.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -41,6 +49,7 @@ p.add_argument("--hang-at", type=int, default=0)
 p.add_argument("--hang-rank", type=int, default=1)
 p.add_argument("--hang-marker")
 p.add_argument("--out")
+p.add_argument("--fault-dir")
 p.add_argument("--nvrx", action="store_true")
 p.add_argument("--nvrx-learn-at", type=int, default=0)
 args = p.parse_args()
@@ -96,7 +105,22 @@ def nvrx_timeouts():
 
 note("start", resumed_from=start, world=world, **({"nvrx_timeouts": nvrx_timeouts()} if ft is not None else {}))
 
+def take_fault(kind: str) -> bool:
+    """True once for DIR/rank<R>.<kind>: whoever removes the file acts on it."""
+    try:
+        os.unlink(os.path.join(args.fault_dir, f"rank{rank}.{kind}"))
+    except OSError:
+        return False
+    note(kind, step=step)
+    return True
+
+
 for step in range(start + 1, args.steps + 1):
+    if args.fault_dir and take_fault("hang"):
+        print(f"rank {rank}: hanging before step {step} (pid {os.getpid()})", flush=True)
+        while True:
+            time.sleep(1)
+    skip = bool(args.fault_dir) and take_fault("skip")
     if step == args.hang_at and rank == args.hang_rank:
         first = True
         if args.hang_marker:
@@ -112,9 +136,11 @@ for step in range(start + 1, args.steps + 1):
     g = torch.Generator().manual_seed(step * 1000 + rank)
     x = torch.randn(16, 32, generator=g)
     y = x[:, :1].sin()
-    loss = (model(x) - y).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
+    # skip: this rank runs the step without its gradient all-reduce (DDP reads the flag in forward)
+    with model.no_sync() if skip else contextlib.nullcontext():
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
     opt.step()
     time.sleep(args.sleep)
     if ft is not None:

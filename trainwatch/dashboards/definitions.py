@@ -86,6 +86,9 @@ def overview_dashboard() -> dm.Dashboard:
                            [query(events(_incidents(), "$__range", "job", zero=True), "{{job}}")], span=4, red_at=1, decimals=0))
         .with_panel(single("Worker group restarts", "Restarts since launch; each one resumed from the newest valid checkpoint. Several in a row: the fault survives a restart (bad node, data or checkpoint).",
                            [query(f"max by (job) (trainwatch_restarts_total{{{NODE}}})", "{{job}}")], span=4, red_at=1))
+        .with_panel(single("Goodput", "Productive training time over wall time since the job started: what is left after start-up, detection, capture and checkpoint, restarts, recomputed steps and time hung (the Badput panel splits the rest). Counted once per job, by the aggregating node of a multi-node job.",
+                           [query(f"max by (job) (trainwatch_goodput_ratio{{{NODE}}})", "{{job}}")],
+                           unit="percentunit", span=4, decimals=1))
         .with_row(db.Row("Progress"))
         .with_panel(graph(
             "Step rate",
@@ -182,6 +185,12 @@ def overview_dashboard() -> dm.Dashboard:
             "Incidents raised over time by detector kind (hang, collective_mismatch, straggler, crash, loss_nan, loss_spike, grad_explosion, dead_grad, vanishing_grad, lr_stuck, loss_scale_collapse, loss_trend, step_time_spike, xid, ecc, restart).",
             [query(events(_incidents(), "$__rate_interval", "kind"), "{{kind}}")],
             bars=True, minimum=0,
+        ))
+        .with_panel(graph(
+            "Badput by cause",
+            "Wall time lost since the job started, by cause: startup (before the first step), detection (fault to incident), capture_checkpoint (stacks and emergency checkpoint), restart (teardown, rendezvous, load, first step), recompute (re-running the steps lost since the last checkpoint) and hung (stalled with nothing else going on). Stacked: the top is all the time lost.",
+            [query(f"sum by (job, cause) (trainwatch_badput_seconds_total{{{NODE}}})", "{{job}} {{cause}}")],
+            unit="s", minimum=0, stacked=True,
         ))
         .with_panel(graph(
             "Restarts",

@@ -93,6 +93,7 @@ def graph(
     stepped: bool = False,
     bars: bool = False,
     log: int | None = None,
+    stacked: bool = False,
 ) -> timeseries.Panel:
     panel = _common(timeseries.Panel(), title, description, span, height).unit(unit).legend(
         cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.LIST).placement(cm.LegendPlacement.BOTTOM).show_legend(True)
@@ -113,6 +114,8 @@ def graph(
         panel = panel.draw_style(cm.GraphDrawStyle.BARS).fill_opacity(80)
     if log is not None:  # values that move by factors (a loss scale halving) on a log axis of this base
         panel = panel.scale_distribution(cb.ScaleDistributionConfig().type(cm.ScaleDistribution.LOG).log(log))
+    if stacked:  # parts of one whole (badput by cause): the top line is the total
+        panel = panel.stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL)).fill_opacity(60)
     return _with_targets(panel, targets)
 
 

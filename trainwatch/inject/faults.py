@@ -37,6 +37,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +58,8 @@ _POINTS = {
     ("hang", "dataloader"): "data",
     ("hang", "checkpoint"): "step_end",
     ("straggler", None): "data",
+    ("stop", None): "forward",
+    ("zombie", None): "forward",
 }
 
 
@@ -340,7 +343,23 @@ def hang_checkpoint(tw: Any, f: FaultSpec) -> None:
 
 
 def crash(tw: Any, f: FaultSpec) -> None:
+    if "code" in f.params:  # exits on its own (no atexit handlers: like a C library's exit)
+        os._exit(int(f.params["code"]))
     os.kill(os.getpid(), signal_number(str(f.params.get("signal", "KILL"))))
+
+
+def stop(tw: Any, f: FaultSpec) -> None:
+    """SIGSTOP to itself: state T, no progress, no heartbeat, until a SIGCONT."""
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def zombie(tw: Any, f: FaultSpec) -> None:
+    """The main thread ends (pthread_exit, the GIL released by ctypes) while the
+    process's other threads run on: the kernel shows the process as a zombie
+    (state Z) that its parent cannot reap, and the heartbeat thread keeps beating."""
+    import ctypes
+
+    ctypes.CDLL(None).pthread_exit(None)
 
 
 def _deadline(f: FaultSpec) -> float:
@@ -354,4 +373,6 @@ _ACTIONS = {
     ("hang", "dataloader"): hang_dataloader,
     ("hang", "checkpoint"): hang_checkpoint,
     ("crash", None): crash,
+    ("stop", None): stop,
+    ("zombie", None): zombie,
 }

@@ -14,7 +14,11 @@ from dataclasses import asdict, dataclass, field
 
 KINDS: dict[str, set[str]] = {
     "hang": {"where", "rank", "step", "seconds"},
-    "crash": {"rank", "step", "signal", "at"},
+    "crash": {"rank", "step", "signal", "at", "code"},
+    # The process stays but never runs again: SIGSTOP (state T), or its main
+    # thread ends while its other threads live on (a zombie leader, state Z).
+    "stop": {"rank", "step"},
+    "zombie": {"rank", "step"},
     "straggler": {"delay", "rank", "step"},
     "nan": {"rank", "step"},
     "spike": {"rank", "step", "factor"},
@@ -96,6 +100,14 @@ def parse(spec: str) -> FaultSpec:
                           f"valid: {', '.join(SLOW_WHERE)}")
     if kind == "crash" and fault.params.setdefault("at", "forward") not in CRASH_AT:
         raise InjectError(f"--inject crash: unknown at={fault.params['at']!r}; valid: {', '.join(CRASH_AT)}")
+    if kind == "crash" and "code" in fault.params:
+        try:
+            fault.params["code"] = int(fault.params["code"])
+        except ValueError:
+            raise InjectError(f"--inject crash: code must be an exit code (an integer), got {fault.params['code']!r}") \
+                from None
+        if "signal" in fault.params:
+            raise InjectError("--inject crash: give signal= (killed) or code= (exited), not both")
     if kind == "crash" and "signal" in fault.params:
         try:
             signal_number(str(fault.params["signal"]))

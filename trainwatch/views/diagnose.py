@@ -18,7 +18,7 @@ import psutil
 
 from trainwatch import jobstore, liveness, rankrow, slots, state
 from trainwatch.capture import capture_ranks
-from trainwatch.diagnostics import utilisation
+from trainwatch.diagnostics import goodput, utilisation
 from trainwatch.diagnostics import verdict as verdict_mod
 from trainwatch.diagnostics.stack_groups import StackGroup
 from trainwatch.usage import Parser, fail, printable
@@ -226,8 +226,11 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
     samples, no_samples, simulated = utilisation.samples_from_telemetry(telemetry)
     gpu = utilisation.gpu_utilisation(ranks, samples, no_samples=no_samples, simulated=simulated,
                                       skip=utilisation.not_judged(status, v.category))
-    return _report(job_name, "running" if status == "running" else status, v, ranks, groups, hardware, incidents,
-                   gpu)
+    report = _report(job_name, "running" if status == "running" else status, v, ranks, groups, hardware, incidents,
+                     gpu)
+    # Productive time over wall time and badput by cause, as the sidecar last counted it.
+    report["goodput"] = goodput.typed_record(telemetry.get("goodput"))
+    return report
 
 
 def _num(value: Any) -> float:
@@ -316,6 +319,7 @@ def _report(job_name, status, v, ranks, groups, hardware, incidents, gpu: dict) 
         ],
         "hardware": [{k: h[k] for k in ("gpu", "xid", "meaning", "severity")} | {"rank": h["rank"]} for h in hardware],
         "incidents": incidents[-20:],
+        "goodput": None,
         **gpu,
     }
 
@@ -364,6 +368,9 @@ def render(report: dict) -> str:
     if gpu_lines:
         lines.append("")
         lines.extend(gpu_lines)
+    if report.get("goodput"):
+        lines.append("")
+        lines.append(goodput.line_of(report["goodput"]))
     if report["incidents"]:
         lines.append("")
         lines.append(f"incidents ({len(report['incidents'])} most recent):")

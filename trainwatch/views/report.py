@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwatch import liveness, rankrow, state
+from trainwatch.diagnostics import goodput
 from trainwatch.usage import Parser, fail, printable
 
 MAX_POINTS = 2000
@@ -141,6 +142,7 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
         "series": {str(rank): _thin(s) for rank, s in series.items()},
         "slowest": _slowest(series),
         "samples": nsamples,
+        "goodput": goodput.typed_record(d.telemetry().get("goodput")),
         "generated": now,
     }
 
@@ -195,10 +197,35 @@ def render(data: dict[str, Any]) -> str:
         "GENERATED": esc(_fmt_time(data["generated"])),
         "STYLE": asset("report.css"),
         "SCRIPT": asset("report.js"),
+        "GOODPUT": _goodput_bar(data.get("goodput")),
         "DATA": payload,
     }
     # One pass: text inserted for one placeholder is never scanned for another.
     return re.sub(r"\{\{([A-Z]+)\}\}", lambda m: values[m.group(1)], asset("report.html"))
+
+
+_BAR_PARTS = (("productive", "productive"), ("startup", "start-up"), ("detection", "detection"),
+              ("capture_checkpoint", "capture & checkpoint"), ("restart", "teardown & restart"),
+              ("recompute", "recomputed steps"), ("hung", "hung / stalled"))
+
+
+def _goodput_bar(record: dict | None) -> str:
+    """The job's wall time as one stacked bar: productive time and each badput cause."""
+    if not record or record["wall_s"] <= 0:
+        return '<div class="empty">no goodput recorded (the sidecar writes it while the job runs)</div>'
+    wall = record["wall_s"]
+    seconds = {"productive": record["productive_s"], **record["badput_s"]}
+    parts, legend = [], []
+    for key, words in _BAR_PARTS:
+        v = max(0.0, seconds.get(key, 0.0))
+        if v <= 0:
+            continue
+        pct = 100.0 * v / wall
+        title = html.escape(f"{words}: {v:.1f} s ({pct:.1f}%)")
+        parts.append(f'<span class="gp gp-{key}" style="width:{pct:.3f}%" title="{title}"></span>')
+        legend.append(f'<label class="gp-key"><i class="gp gp-{key}"></i>{title}</label>')
+    return (f'<div class="gp-line">{html.escape(goodput.line_of(record))}</div>'
+            f'<div class="gp-bar">{"".join(parts)}</div><div class="legend">{"".join(legend)}</div>')
 
 
 def asset(name: str) -> str:

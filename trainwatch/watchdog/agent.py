@@ -57,6 +57,8 @@ class TrainwatchAgent(LocalElasticAgent):
         self._first_failed: set[int] = set()
         self._early_exits: set[int] = set()
         """Local ranks that exited 0 without finishing while their peers ran (see _checkpoint_survivors)."""
+        self._reported_early: set[int] = set()
+        """Pids of failed workers already written to exits.jsonl (before the survivors' checkpoint)."""
         self.zygote = zygote
         """Warm start: workers are forked from it (None: fresh interpreters, as torchrun)."""
         self.preempt_signals = preempt_signals
@@ -242,32 +244,17 @@ class TrainwatchAgent(LocalElasticAgent):
         lines = []
         for w in worker_group.workers:
             if w.local_rank in self._early_exits and w.global_rank not in result.failures:
-                lines.append({"rank": w.global_rank, "local_rank": w.local_rank, "pid": w.id or 0, "exitcode": 0,
-                              "signal_name": None, "node": self.node, "run": self.run_id, "time": time.time(),
-                              "first": True, "early": True})
+                line = exit_line(w.global_rank, w.local_rank, w.id or 0, 0, node=self.node, run=self.run_id,
+                                 first=True)
+                lines.append(line | {"early": True})
         for rank, failure in result.failures.items():
             worker = by_rank.get(rank)
-            signal_name = None
-            if failure.exitcode is not None and failure.exitcode < 0:
-                try:
-                    signal_name = signal.Signals(-failure.exitcode).name
-                except ValueError:
-                    signal_name = f"SIG{-failure.exitcode}"
-            lines.append(
-                {
-                    "rank": rank,
-                    "local_rank": worker.local_rank if worker else failure.local_rank,
-                    "pid": failure.pid,
-                    "exitcode": failure.exitcode,
-                    "signal_name": signal_name,
-                    "node": self.node,
-                    "run": self.run_id,
-                    "time": time.time(),
-                    "first": (worker.local_rank if worker else failure.local_rank) in self._first_failed,
-                }
-            )
+            local_rank = worker.local_rank if worker else failure.local_rank
+            lines.append(exit_line(rank, local_rank, failure.pid, failure.exitcode, node=self.node, run=self.run_id,
+                                   first=local_rank in self._first_failed))
         for line in lines:
-            state.append_line(self.dir.exits_file, json.dumps(line))
+            if line["pid"] not in self._reported_early:
+                state.append_line(self.dir.exits_file, json.dumps(line))
         self._on_event("workers_failed", {"exits": lines})
 
     def _checkpoint_survivors(self) -> None:
@@ -290,9 +277,23 @@ class TrainwatchAgent(LocalElasticAgent):
         if not any(code not in (None, 0) for code in codes.values()):
             return
         self._survivors_saved = self.restart_count
-        # Dead while the others still run: the root cause, whatever follows
-        # (a rank that left early before them is the cause of their failure).
-        self._first_failed = self._early_exits or {lr for lr, code in codes.items() if code not in (None, 0)}
+        # Dead while the others still run: the root cause, whatever follows (a
+        # rank that left early before them is the cause of their failure).
+        failed = {lr for lr, code in codes.items() if code not in (None, 0)}
+        self._first_failed = self._early_exits or failed
+        # Said at once, before the survivors' checkpoint (seconds): the sidecar
+        # records the crash now, not when torchelastic's poll reports it; a rank
+        # that left early is said first, so its peers' failures read as its victims.
+        by_local = {w.local_rank: w for w in self._worker_group.workers}
+        for lr in sorted(self._early_exits) + sorted(failed):
+            worker, pid = by_local.get(lr), getattr(handlers[lr].proc, "pid", None)
+            if worker is not None and isinstance(pid, int) and pid not in self._reported_early:
+                self._reported_early.add(pid)
+                line = exit_line(worker.global_rank, lr, pid, codes[lr], node=self.node, run=self.run_id,
+                                 first=lr in self._first_failed)
+                if lr in self._early_exits:
+                    line["early"] = True
+                state.append_line(self.dir.exits_file, json.dumps(line))
         alive = [lr for lr, code in codes.items() if code is None]
         if not alive:
             return
@@ -327,3 +328,15 @@ class TrainwatchAgent(LocalElasticAgent):
             log.warning("trainwatch: ignoring a restart request for an earlier worker group (%s)", request.get("reason"))
             return None
         return request
+
+
+def exit_line(rank: int, local_rank: int, pid: int, exitcode: int | None, *, node: str, run: str, first: bool) -> dict:
+    """One record of exits.jsonl (what the sidecar's exit detector reads)."""
+    signal_name = None
+    if exitcode is not None and exitcode < 0:
+        try:
+            signal_name = signal.Signals(-exitcode).name
+        except ValueError:
+            signal_name = f"SIG{-exitcode}"
+    return {"rank": rank, "local_rank": local_rank, "pid": pid, "exitcode": exitcode, "signal_name": signal_name,
+            "node": node, "run": run, "time": time.time(), "first": first}

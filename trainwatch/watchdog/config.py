@@ -29,6 +29,7 @@ FLAG_PREFIXES = {
     ("detectors", "loss_trend"): "trend-",
     ("detectors", "step_time"): "step-time-",
     ("detectors", "exits"): "exit-",
+    ("detectors", "process_state"): "process-",
     ("detectors",): "detectors-",
 }
 FLAG_ALIASES = {

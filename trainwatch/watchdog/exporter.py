@@ -19,6 +19,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, 
 from prometheus_client.registry import Collector
 
 from trainwatch import kinds
+from trainwatch.diagnostics.goodput import CAUSES
 from trainwatch.rankrow import RankRow
 
 IDLE_TIMEOUT_S = 10.0
@@ -191,6 +192,7 @@ class TrainwatchCollector(Collector):
         restarts = CounterMetricFamily("trainwatch_restarts", "Worker group restarts.", labels=["job", "node"])
         restarts.add_metric([job, sc.node], float(sc.restarts()))
         yield restarts
+        yield from _goodput(job, sc)
         yield from sc.hardware_metrics()
         job_metrics = getattr(sc, "job_metrics", None)
         if job_metrics is not None:
@@ -221,6 +223,23 @@ def _open_incidents(job: str, sc: Source) -> Iterator:
         age.add_metric([job, sc.node, kind], max(0.0, seconds))
     yield opened
     yield age
+
+
+def _goodput(job: str, sc: Source) -> Iterator:
+    """The job's goodput and its badput by cause (every cause from 0), from the
+    node that counts it: the only node, or a multi-node job's aggregator."""
+    account = getattr(sc, "goodput_now", lambda: None)()
+    if account is None:
+        return
+    ratio = GaugeMetricFamily("trainwatch_goodput_ratio", "Productive training time over wall time since the job "
+                              "started (0-1).", labels=["job", "node"])
+    ratio.add_metric([job, sc.node], account.ratio)
+    badput = CounterMetricFamily("trainwatch_badput_seconds", "Wall time lost, by cause (startup, detection, "
+                                 "capture_checkpoint, restart, recompute, hung).", labels=["job", "node", "cause"])
+    for cause in CAUSES:
+        badput.add_metric([job, sc.node, cause], account.badput_s.get(cause, 0.0))
+    yield ratio
+    yield badput
 
 
 def _loss_slopes(sc: Source) -> dict[int, float]:

@@ -29,6 +29,16 @@ def _delta(a, b) -> float | None:
     return round(max(0.0, float(b) - float(a)), 3)
 
 
+def fault_began(record: dict, table) -> float | None:
+    """When the fault of an incident began: its culprits' last progress in
+    `table` (monotonic s); None when no culprit is in it."""
+    culprits = record.get("culprit_ranks") or []
+    if table is None or not culprits or not len(table):
+        return None
+    rows = table[np.isin(table["rank"], list(culprits))]
+    return float(rankrow.progress_mono(rows).min()) if len(rows) else None
+
+
 class RestartTracker:
     """Fed every sidecar read; returns the `restart` incident once a new worker
     generation has completed a step on every rank."""
@@ -50,12 +60,9 @@ class RestartTracker:
         detected = record.get("detected_mono") if record.get("scope") != "job" else None
         fault: dict[str, Any] = {"kind": record.get("kind"), "culprit_ranks": record.get("culprit_ranks") or [],
                                  "detected_mono": detected or self.clock(), "id": record.get("id")}
-        culprits = set(fault["culprit_ranks"])
-        if table is not None and culprits and len(table):
-            rows = table[np.isin(table["rank"], list(culprits))]
-            if len(rows):
-                # The fault began when the culprit last made progress.
-                fault["fault_mono"] = float(rankrow.progress_mono(rows).min())
+        began = fault_began(record, table)
+        if began is not None:
+            fault["fault_mono"] = began
         with self._lock:
             self._fault = fault
 

@@ -205,7 +205,7 @@ class Responder:
             done({"checkpoint": request_emergency_checkpoint(ctx.segment, self.policy.emergency_timeout_s)})
             t2 = time.monotonic()
             restart = self.request_restart(record, response.generation)
-            ctx.add_timings(capture_s=round(t1 - t0, 3), checkpoint_s=round(t2 - t1, 3),
+            ctx.add_timings(incident=record.get("id"), capture_s=round(t1 - t0, 3), checkpoint_s=round(t2 - t1, 3),
                             requested_mono=time.monotonic())
             done({"restart": restart})
         if ctx.tracer is not None and response.span is not None:

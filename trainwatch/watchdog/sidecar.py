@@ -24,10 +24,12 @@ from typing import Any, Callable, Iterator
 
 
 from trainwatch import procctl, rankrow, slots, state
+from trainwatch.diagnostics.goodput import Goodput
 from trainwatch.watchdog import otel, thresholds
 from trainwatch.watchdog.config import SidecarConfig
 from trainwatch.watchdog.detectors import default_detectors
 from trainwatch.watchdog.detectors.base import RankExit, TickView
+from trainwatch.watchdog.detectors.base import rank_exit_from_line as _rank_exit
 from trainwatch.watchdog.engine import DetectorEngine
 from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, serve_metrics
 from trainwatch.watchdog.hardware import HardwareMonitor
@@ -36,6 +38,7 @@ from trainwatch.watchdog.incident import Incident
 from trainwatch.jobstore import JobStore, RecordSeal, read_secret
 from trainwatch.usage import printable
 from trainwatch.watchdog.jobwide import JobWideNode, job_scope
+from trainwatch.watchdog.goodput import GoodputFeed
 from trainwatch.watchdog.recovery import RestartTracker
 from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate, incident_step
 
@@ -96,13 +99,14 @@ class Sidecar:
         self.engine = DetectorEngine(detectors, config=self.config.engine)
         self.tracer = tracer
         self.recovery = RestartTracker(self.dir, clock)
+        self.goodput = GoodputFeed(clock)  # where the job's wall time went, from this sidecar's start
         self.gate = RestartGate(self.config.actions, clock)
         self.responder: Responder | None = None
         if respond:
             self.responder = Responder(self.config.actions, ResponderContext(
                 job=self.dir, segment=self.segment, node=self.node, run=run, incidents=lambda: list(self.open.values()),
                 thresholds=self.thresholds_in_force,
-                add_timings=self.recovery.add_timings, out=self.out, tracer=tracer))
+                add_timings=self.goodput.timings_to(self.recovery.add_timings), out=self.out, tracer=tracer))
         # ~1 sample/s of every rank for `trainwatch report`; bounded in size.
         self.history = HistoryWriter(self.dir.history_file(self.node), clock=clock)
 
@@ -139,6 +143,7 @@ class Sidecar:
         self.last_nodes = [self.node] * len(live)
         self.step_hist.observe(live)
         if len(live):
+            self.goodput.read(live, self.segment.nslots)
             restart = self.recovery.observe(live)
             if restart is not None:
                 self.record_recovery(restart)
@@ -166,6 +171,8 @@ class Sidecar:
                 record["job_ranks"] = self.jobwide.job_rows()
             except Exception:  # the store is gone: this node's ranks still count
                 pass
+        if (goodput := self.goodput_now()) is not None:
+            record["goodput"] = goodput.to_json()
         state.write_json_atomic(self.dir.telemetry_file, record, durable=False)
 
     def thresholds_in_force(self) -> dict:
@@ -181,6 +188,10 @@ class Sidecar:
             return {"hang": det.thresholds_in_force(table["rank"])}
         except (IndexError, ValueError):
             return {}
+
+    def goodput_now(self) -> Goodput | None:
+        """The job's goodput so far; None on a node that does not aggregate a multi-node job (counted once)."""
+        return self.goodput.account() if self.jobwide is None or self.jobwide.aggregator is not None else None
 
     def read_exits(self) -> list[RankExit]:
         """Rank exits the agent reported since the last read (control/exits.jsonl)."""
@@ -230,6 +241,7 @@ class Sidecar:
             record["incident"] = cause
         self.dir.append_event(record)
         self.incidents.append(record)
+        self.goodput.recovered(restart, str(cause) if cause else None)
         about = f" after {restart.evidence.get('cause')} {cause}" if cause else ""
         print(f"[trainwatch] RECOVERED{about}: {record.get('summary', '')}", file=self.out, flush=True)
         return record
@@ -239,6 +251,7 @@ class Sidecar:
         record = self.open.pop(incident_id, None) if incident_id else None
         if record is None:
             return
+        self.goodput.resolved(incident_id)
         self.dir.append_event({"kind": "resolved", "incident": incident_id, "time": time.time(),
                                "duration_s": round(duration_s, 3), "count": count, "reason": reason})
         print(f"[trainwatch] RESOLVED {record.get('kind')} {incident_id} after {duration_s:.1f}s ({reason})",
@@ -270,6 +283,9 @@ class Sidecar:
         if restart or (record.get("kind") == "crash" and not self.recovery.has_fault()):
             self.recovery.note_fault(record, table)
         self.dir.append_event(record)
+        # A job incident taken from the store carries the aggregator's clock.
+        self.goodput.opened(record, table, record.get("scope") == "job" and (
+            self.jobwide is None or self.jobwide.aggregator is None))
         kind = record.get("kind", "unknown")
         # A job incident is counted by the aggregator's node alone: alerts on the
         # counters fire once per job, not once per node that took it.
@@ -331,6 +347,8 @@ class Sidecar:
                              1, "the job ended")
             self.history.maybe_sample(self.rows, self.straggler_ratios, force=True)
             self.write_snapshot()
+            if (goodput := self.goodput_now()) is not None and goodput.wall_s > 0:
+                print(f"[trainwatch] {goodput.line()}", file=self.out, flush=True)
             self.thresholds.maybe_save(force=True)
             launcher_alive = not self.orphaned.is_set() and (
                 not self.launcher_pid or procctl.parent_alive(self.launcher_pid))
@@ -349,25 +367,6 @@ class Sidecar:
                 pass
         if self.tracer is not None:
             self.tracer.shutdown()
-
-
-def _rank_exit(line: bytes, node: str, run: str = "") -> RankExit | None:
-    """One line of exits.jsonl as a RankExit; None for a line of the wrong shape
-    or of another run."""
-    try:
-        e = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    ints = ("rank", "local_rank", "pid", "exitcode")  # true/false, 1.5, "3", Infinity: not a rank exit
-    if not isinstance(e, dict) or not all(isinstance(e.get(k), int) and not isinstance(e[k], bool) for k in ints):
-        return None
-    if run and e.get("run") != run:
-        return None
-    signal_name = e.get("signal_name")
-    return RankExit(rank=e["rank"], local_rank=e["local_rank"], pid=e["pid"], exitcode=e["exitcode"],
-                    signal_name=signal_name if isinstance(signal_name, str) else None,
-                    node=e["node"] if isinstance(e.get("node"), str) else node, first=e.get("first") is True,
-                    early=e.get("early") is True)
 
 
 def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:

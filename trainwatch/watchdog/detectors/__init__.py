@@ -14,6 +14,7 @@ from trainwatch.watchdog.detectors.exits import ExitConfig, ExitDetector
 from trainwatch.watchdog.detectors.hang import HangConfig, HangDetector
 from trainwatch.watchdog.detectors.loss import LossHealthConfig, LossHealthDetector
 from trainwatch.watchdog.detectors.mismatch import CollectiveMismatchConfig, CollectiveMismatchDetector
+from trainwatch.watchdog.detectors.process import ProcessStateConfig, ProcessStateDetector
 from trainwatch.watchdog.detectors.steptime import StepTimeConfig, StepTimeDetector
 from trainwatch.watchdog.detectors.straggler import StragglerConfig, StragglerDetector
 from trainwatch.watchdog.detectors.training import TrainingHealthConfig, TrainingHealthDetector
@@ -26,6 +27,8 @@ class DetectorsConfig:
 
     exits: ExitConfig = field(default_factory=ExitConfig)
     """Crash detection from rank exits."""
+    process_state: ProcessStateConfig = field(default_factory=ProcessStateConfig)
+    """Stopped and zombie rank processes, from the kernel's process state."""
     hang: HangConfig = field(default_factory=HangConfig)
     """Hang detection from step progress and heartbeats."""
     collective_mismatch: CollectiveMismatchConfig = field(default_factory=CollectiveMismatchConfig)
@@ -48,6 +51,7 @@ class DetectorsConfig:
 # in a tick: crashes first, so the engine can mute their consequences.
 REGISTRY: dict[str, Callable[[DetectorsConfig], Detector]] = {
     ExitDetector.name: lambda c: ExitDetector(c.exits),
+    ProcessStateDetector.name: lambda c: ProcessStateDetector(c.process_state),
     HangDetector.name: lambda c: HangDetector(c.hang),
     CollectiveMismatchDetector.name: lambda c: CollectiveMismatchDetector(c.collective_mismatch),
     StragglerDetector.name: lambda c: StragglerDetector(c.straggler),
@@ -82,6 +86,8 @@ __all__ = [
     "LossHealthDetector",
     "LossTrendConfig",
     "LossTrendDetector",
+    "ProcessStateConfig",
+    "ProcessStateDetector",
     "REGISTRY",
     "RankExit",
     "StepTimeConfig",

@@ -12,6 +12,7 @@ objects: a 4096-rank tick must stay within a few milliseconds.
 
 from __future__ import annotations
 
+import json
 import math
 import signal as _signal
 from abc import ABC, abstractmethod
@@ -66,6 +67,25 @@ class RankExit:
     @property
     def failed(self) -> bool:
         return self.exitcode != 0 or self.signal_name is not None or self.early
+
+
+def rank_exit_from_line(line: bytes, node: str, run: str = "") -> RankExit | None:
+    """One line of exits.jsonl (the agent's record of a rank exit) as a RankExit;
+    None for a line of the wrong shape or of another run."""
+    try:
+        e = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    ints = ("rank", "local_rank", "pid", "exitcode")  # true/false, 1.5, "3", Infinity: not a rank exit
+    if not isinstance(e, dict) or not all(isinstance(e.get(k), int) and not isinstance(e[k], bool) for k in ints):
+        return None
+    if run and e.get("run") != run:
+        return None
+    signal_name = e.get("signal_name")
+    return RankExit(rank=e["rank"], local_rank=e["local_rank"], pid=e["pid"], exitcode=e["exitcode"],
+                    signal_name=signal_name if isinstance(signal_name, str) else None,
+                    node=e["node"] if isinstance(e.get("node"), str) else node, first=e.get("first") is True,
+                    early=e.get("early") is True)
 
 
 @dataclass(slots=True)
