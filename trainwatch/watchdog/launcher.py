@@ -24,7 +24,8 @@ from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.inject import spec as inject
 from trainwatch.views.summary import failure_summary
 from trainwatch.watchdog import preflight, warmstart
-from trainwatch.watchdog.options import LaunchConfig, LaunchError, parse, prescan_job, prescan_node_scope
+from trainwatch.watchdog.options import (LaunchConfig, LaunchError, parse, prescan_job, prescan_node_scope,
+                                        prescan_print_config, print_config)
 
 log = logging.getLogger("trainwatch")
 
@@ -112,6 +113,9 @@ def _worker_command(args: argparse.Namespace, cmd, cmd_args: list[str]) -> tuple
 
 
 def launch(argv: list[str]) -> int:
+    if prescan_print_config(argv):
+        sys.stdout.write(print_config(argv))
+        return 0
     early = prescan_job(argv)
     early = state.generate_job_name() if early is None else early
     scope = prescan_node_scope(argv)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trainwatch import env, flags, state
 from trainwatch.inject import spec as inject
+from trainwatch.watchdog import configfile
 from trainwatch.watchdog.config import FLAG_ALIASES, SidecarConfig, launch_flags
 
 DEFAULT_MODULE = "trainwatch.trainer"
@@ -71,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     # trainwatch restarts hung or crashed jobs by default (torchrun: 0).
     parser.set_defaults(max_restarts=int(os.environ.get("PET_MAX_RESTARTS", DEFAULT_MAX_RESTARTS)))
     tw = parser.add_argument_group("trainwatch")
+    tw.add_argument("--config", default=None, metavar="FILE",
+                    help="Read launch and watchdog options from this TOML file (or $TRAINWATCH_CONFIG); "
+                    "TRAINWATCH_* variables beat it, flags beat both.")
+    tw.add_argument("--print-config", action="store_true",
+                    help="Print the effective configuration (file, environment and flags merged) as TOML and exit.")
     tw.add_argument("--job", default=None, help="Job name (default: generated and printed).")
     tw.add_argument("--inject", action="append", default=[], metavar="KIND[:key=val,...]",
                     help=f"Inject a fault for testing (repeatable). Kinds: {', '.join(sorted(inject.KINDS))}.")
@@ -94,46 +100,88 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # torchrun and trainwatch options that take no value (every other option does).
-_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
+_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--print-config", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
                     "-h", "--help"})
 
 
 def prescan_job(argv: list[str]) -> str | None:
     """The --job value, read without torchrun's parser (which imports torch):
-    options before the script only. None when not given."""
-    return prescan_option(argv, "--job")
+    options before the script only, then the config file. None when not given."""
+    return _prescan_layered(argv, "--job", "job")
 
 
 def prescan_node_scope(argv: list[str]) -> str | None:
     """This node's name when the job spans several nodes (its state is kept per
     node, see env.NODE_SCOPE), else None."""
-    nnodes = prescan_option(argv, "--nnodes") or "1"
+    nnodes = _prescan_layered(argv, "--nnodes", "nnodes") or "1"
     if nnodes.rpartition(":")[2].strip() in ("", "1"):
         return None
-    name = prescan_option(argv, "--node-name") or socket.gethostname()
+    name = _prescan_layered(argv, "--node-name", "node_name") or socket.gethostname()
     return name if state.JOB_NAME_RE.fullmatch(name) else None
 
 
+def prescan_print_config(argv: list[str]) -> bool:
+    """Whether `--print-config` is among the options before the script."""
+    return any(token == "--print-config" for token, _ in _options(argv))
+
+
+def config_path(argv: list[str]) -> str | None:
+    """The config file: `--config FILE` before the script, else $TRAINWATCH_CONFIG."""
+    return prescan_option(argv, "--config") or os.environ.get(configfile.CONFIG_ENV) or None
+
+
+def _prescan_layered(argv: list[str], option: str, dest: str) -> str | None:
+    given = prescan_option(argv, option)
+    if given is not None:
+        return given
+    try:
+        return configfile.prescan_value(config_path(argv), dest)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+
+
 def prescan_option(argv: list[str], option: str) -> str | None:
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token == option and i + 1 < len(argv):
-            return argv[i + 1]
-        if token.startswith(option + "="):
-            return token.split("=", 1)[1]
-        if not token.startswith("-") or token in ("-m", "--module"):
-            return None  # the script or module: what follows is its own
-        i += 1 if token in _FLAGS or token.startswith("--no-") or "=" in token else 2
+    for token, value in _options(argv):
+        if token == option and value is not None:
+            return value
     return None
 
 
-def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Namespace, LaunchConfig]:
+def _options(argv: list[str]):
+    """(option, value or None) before the script or module; what follows it is its own."""
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token.startswith("-") and "=" in token:
+            yield tuple(token.split("=", 1))
+        elif not token.startswith("-") or token in ("-m", "--module"):
+            yield token, None
+            return
+        elif token in _FLAGS or token.startswith("--no-"):
+            yield token, None
+        else:
+            yield token, argv[i + 1] if i + 1 < len(argv) else None
+            i += 1
+        i += 1
+
+
+def parse(argv: list[str], default_job: str | None = None, *,
+          check_trainer: bool = True) -> tuple[argparse.Namespace, LaunchConfig]:
     parser = build_parser()
+    table = configfile.settings(parser, launch_flags())
+    try:
+        defaults = configfile.layered_defaults(table, config_path(argv))
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    # The script and its arguments come as one: the file's only when the command line names none.
+    script, script_args = defaults.pop("training_script", None), defaults.pop("training_script_args", [])
+    parser.set_defaults(**defaults)
     try:
         args = parser.parse_args(argv)
     except _ParseError as e:
         raise LaunchError(f"{e} (see `trainwatch launch --help`)") from None
+    if args.training_script is None and script is not None:
+        args.training_script, args.training_script_args = script, list(script_args)
     _check_torchrun_options(args)
     job = args.job if args.job is not None else (default_job or state.generate_job_name())
     try:
@@ -162,10 +210,16 @@ def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Nam
             raise LaunchError(f"--kernel-log {args.kernel_log!r}: its directory must exist and be readable")
         sidecar.kernel_log = os.path.abspath(args.kernel_log)
     sidecar.faults = [f.to_json() for f in faults if f.kind in inject.HARDWARE_KINDS]
-    if args.module and args.training_script == DEFAULT_MODULE:
+    if check_trainer and args.module and args.training_script == DEFAULT_MODULE:
         check_trainer_args(job, args.training_script_args)
     return args, LaunchConfig(job=job, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                               faults=faults, sidecar=sidecar)
+
+
+def print_config(argv: list[str]) -> str:
+    """`trainwatch launch --print-config`: the effective configuration as a config file."""
+    args, config = parse(argv, check_trainer=False)
+    return configfile.effective(configfile.settings(build_parser(), launch_flags()), args, config.sidecar)
 
 
 def _check_torchrun_options(args: argparse.Namespace) -> None:
