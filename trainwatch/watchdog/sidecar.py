@@ -39,6 +39,7 @@ from trainwatch.jobstore import JobStore
 from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.recovery import RestartTracker
 from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate
+from trainwatch.watchdog.writer import BackgroundWriter
 
 log = logging.getLogger("trainwatch.sidecar")
 
@@ -151,18 +152,45 @@ class Sidecar:
         return rankrow.rows_json(self.rows())
 
     def write_snapshot(self) -> None:
-        record = {"node": self.node, "time": time.time(), "ranks": self.snapshot(),
-                  "hang_thresholds": self.thresholds.describe()}
+        """telemetry.json from the last read, written now (the loop writes it on its writer thread)."""
+        self.snapshot_job()()
+
+    def snapshot_job(self) -> Callable[[], None]:
+        """What telemetry.json will say, captured now from the tick's state; the
+        job returned decodes the ranks and writes the file, on any thread."""
+        table, nodes, now = self.last_table, list(self.last_nodes), self.clock()
+        record: dict[str, Any] = {"node": self.node, "time": time.time(), "ranks": [],
+                                  "hang_thresholds": self.thresholds.describe()}
         gpus = next((h.snapshot() for h in self._hardware if hasattr(h, "snapshot")), None)
         if gpus is not None:
             record["gpus"] = gpus  # per-GPU utilisation and memory for `diagnose`
-        self.thresholds.maybe_save()
-        if self.jobwide is not None and not self.jobwide.store_failed:
-            try:
-                record["job_ranks"] = self.jobwide.job_rows()
-            except Exception:  # the store is gone: this node's ranks still count
-                pass
-        state.write_json_atomic(self.dir.telemetry_file, record, durable=False)
+        self.thresholds.maybe_save()  # a few phases, at most every 30 s: beside the detector state it reads
+        jobwide = self.jobwide if self.jobwide is not None and not self.jobwide.store_failed else None
+        path = self.dir.telemetry_file
+
+        def write() -> None:
+            if table is not None:
+                record["ranks"] = rankrow.rows_json(rankrow.decode(table, now, nodes))
+            if jobwide is not None:
+                try:
+                    record["job_ranks"] = jobwide.job_rows()
+                except Exception:  # the store is gone: this node's ranks still count
+                    pass
+            state.write_json_atomic(path, record, durable=False)
+
+        return write
+
+    def submit_writes(self, writer: BackgroundWriter, *, snapshot: bool, force: bool = False) -> None:
+        """Hand the history sample (when due) and the snapshot (when asked) to the
+        writer thread, with what they need captured now: the tick's table is
+        never written to again (every read makes a new one)."""
+        now = self.history.claim(force=force)
+        if now is not None:
+            table, nodes, ratios = self.last_table, list(self.last_nodes), self.straggler_ratios()
+            rows = (lambda: rankrow.decode(table, now, nodes)) if table is not None else list
+            writer.submit("history", lambda: self.history.sample(rows, lambda: ratios, now))
+        if snapshot:
+            writer.submit("snapshot", self.snapshot_job())
 
     def read_exits(self) -> list[RankExit]:
         """Rank exits the agent reported since the last read (control/exits.jsonl)."""
@@ -236,10 +264,12 @@ class Sidecar:
 
     def run(self, stop: threading.Event) -> None:
         # One bad round is logged and never ends the loop: a watchdog that dies
-        # on the first odd slot is worse than none.
+        # on the first odd slot is worse than none. Files are written on the
+        # writer thread: at thousands of ranks they take longer than a tick.
+        writer = BackgroundWriter()
         interval_s = self.config.tick_s
         next_at = time.monotonic()
-        last_snapshot = 0.0
+        last_snapshot = -float("inf")
         while not stop.is_set():
             if self.launcher_pid and not procctl.parent_alive(self.launcher_pid):
                 # The launcher died without stopping us: its metrics would go
@@ -247,10 +277,11 @@ class Sidecar:
                 print("[trainwatch] the launcher is gone; the sidecar stops", file=self.out, flush=True)
                 break
             try:
+                self.tick_started(time.monotonic())
                 self.tick()
-                self.history.maybe_sample(self.rows, self.straggler_ratios)
-                if time.monotonic() - last_snapshot >= self.config.snapshot_s:
-                    self.write_snapshot()
+                due = time.monotonic() - last_snapshot >= self.config.snapshot_s
+                self.submit_writes(writer, snapshot=due)
+                if due:
                     last_snapshot = time.monotonic()
             except Exception:
                 log.exception("trainwatch sidecar: tick failed")
@@ -262,8 +293,9 @@ class Sidecar:
             stop.wait(delay)
         try:  # one last round (exits reported as the job ended), then the final state
             self.tick()
-            self.history.maybe_sample(self.rows, self.straggler_ratios, force=True)
-            self.write_snapshot()
+            self.submit_writes(writer, snapshot=True, force=True)
+            if not writer.close():
+                log.warning("trainwatch sidecar: the final snapshot was still being written when it stopped")
             self.thresholds.maybe_save(force=True)
             launcher_alive = not self.orphaned.is_set() and (
                 not self.launcher_pid or procctl.parent_alive(self.launcher_pid))
@@ -273,6 +305,9 @@ class Sidecar:
             log.exception("trainwatch sidecar: final snapshot failed")
         if self.responder is not None:
             self.responder.close()
+
+    def tick_started(self, at: float) -> None:
+        """Called at the start of every round of run() (its monotonic time); a hook for measuring the period."""
 
     def close(self) -> None:
         for source in self._hardware:

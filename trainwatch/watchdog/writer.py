@@ -1,0 +1,94 @@
+"""The sidecar's writer thread: what the tick produced goes to disk here, so
+detection never waits on a file.
+
+At 4096 ranks a telemetry.json snapshot and a history sample take a few
+hundred milliseconds each (decoding every rank, JSON, the write; seconds on a
+busy or slow disk), against a tick due every 150 ms. The tick captures what a
+write needs (the slot table it already copied, its clock, the detectors'
+figures) and submits a job; this thread runs the jobs in order.
+
+Coalescing and bounded: at most one job waits per key ("snapshot",
+"history"). A newer job for a key replaces the waiting one, whose data is
+older anyway, and is counted in `replaced`, so a disk that cannot keep up
+costs resolution, never memory or the tick's period.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("trainwatch.sidecar")
+
+
+class BackgroundWriter:
+    """One daemon thread running the latest job submitted under each key."""
+
+    def __init__(self, name: str = "trainwatch-writer"):
+        self._pending: dict[str, Callable[[], object]] = {}
+        self._cond = threading.Condition()
+        self._running: str | None = None
+        self._closed = False
+        self.replaced = 0
+        """Jobs replaced by a newer one of their key before they ran."""
+        self.done = 0
+        """Jobs run (failed ones included: a failure is logged, the thread goes on)."""
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, key: str, job: Callable[[], object]) -> None:
+        """Run `job` on the writer thread; it replaces a job of `key` still waiting."""
+        with self._cond:
+            if self._closed:
+                return
+            if key in self._pending:
+                self.replaced += 1
+                del self._pending[key]  # the newer one goes to the back of the queue
+            self._pending[key] = job
+            self._cond.notify_all()
+
+    def pending(self, key: str) -> bool:
+        """Whether a job of `key` waits or runs (the tick need not prepare another)."""
+        with self._cond:
+            return key in self._pending or self._running == key
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every submitted job has run; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending or self._running is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Run what waits, then stop the thread; False if it did not finish in time."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return  # closed and drained
+                key = next(iter(self._pending))
+                job = self._pending.pop(key)
+                self._running = key
+            try:
+                job()
+            except Exception:  # a full disk costs a file, never the watchdog
+                log.exception("trainwatch sidecar: writing %s failed", key)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self.done += 1
+                    self._cond.notify_all()
