@@ -17,14 +17,13 @@ import requests
 import yaml
 from grafana_foundation_sdk.models import dashboard as dm
 
-from trainwatch import dashboards, netbind
+from trainwatch import dashboards
 from trainwatch.dashboards.definitions import DASHBOARDS
 from trainwatch.dashboards.panels import DATASOURCE_UID, STALL_SECONDS, STRAGGLER_RATIO
 from trainwatch.diagnostics.runbooks import get_runbook
-from util import BIN, ROOT, env_for, events, job_json, stop_group, wait_for
+from util import BIN, ROOT, env_for, events, job_json, prometheus_server, stop_group, wait_for
 
 OUT = ROOT / "dashboards"
-PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`)")
 
@@ -293,44 +292,16 @@ def prometheus(tmp_path_factory):
     on 127.0.0.1, set up as README.md says: `targets/` linked to the directory
     `trainwatch launch` writes its file_sd targets into. Only the intervals
     change (15 s -> 1 s) so the test is quick. Yields (url, TRAINWATCH_HOME)."""
-    if PROMETHEUS is None:
-        pytest.skip("prometheus not installed (Debian package `prometheus`)")
     home = tmp_path_factory.mktemp("twhome")
     cfg_dir = tmp_path_factory.mktemp("prometheus")
     config = (OUT / "prometheus.yml").read_text()
     config, n = re.subn(r"(scrape_interval|evaluation_interval): 15s", r"\1: 1s", config)
     assert n == 2, "prometheus.yml no longer sets both intervals to 15s; update this test"
-    (cfg_dir / "prometheus.yml").write_text(config)
     shutil.copy(OUT / "alert-rules.yml", cfg_dir / "alert-rules.yml")
     (home / "targets").mkdir(mode=0o700)
     (cfg_dir / "targets").symlink_to(home / "targets")
-    port = netbind.free_port()
-    log_path = cfg_dir / "prometheus.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={cfg_dir / 'prometheus.yml'}", f"--storage.tsdb.path={cfg_dir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def ready():
-            if proc.poll() is not None:
-                raise AssertionError(f"prometheus exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                return requests.get(f"{url}/-/ready", timeout=2).status_code == 200
-            except requests.ConnectionError:
-                return False
-
-        wait_for(ready, 60, interval=0.2, what="prometheus to be ready")
+    with prometheus_server(cfg_dir, config) as url:
         yield url, home
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def promql(url: str, expr: str, **params) -> dict:

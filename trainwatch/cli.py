@@ -19,7 +19,7 @@ USAGE = """trainwatch {launch,doctor,diagnose,explain,jobs,runbook,report,dashbo
   jobs     [--json]              list jobs and their status
   runbook  [ID]                  list runbooks, or print one
   report   JOB [--out FILE.html] one self-contained HTML page of the job: loss, step time, incidents
-  dashboards [--out DIR] [--check]  write the Grafana dashboards and provisioning files
+  dashboards [--out DIR] [--check]  write the monitoring bundle: dashboards, provisioning, Prometheus configs, alert rules
 """
 
 
