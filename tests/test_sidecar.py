@@ -220,3 +220,13 @@ def test_the_loop_never_waits_on_a_slow_write(job):
     snap = json.loads(state.JobDir("sc").telemetry_file.read_text())
     assert [r["step"] for r in snap["ranks"]] == [7] * 4
     assert state.JobDir("sc").history_file("n0").read_text().count("\n") >= 1
+
+
+def test_slow_writes_are_spaced_out():
+    from trainwatch.watchdog.writer import DUTY_FACTOR, BackgroundWriter
+
+    writer = BackgroundWriter()
+    assert writer.spacing("snapshot", 2.0) == 2.0  # nothing written yet: the configured interval
+    writer.seconds["snapshot"] = 1.0  # a write of thousands of ranks on a slow disk
+    assert writer.spacing("snapshot", 2.0) == DUTY_FACTOR * 1.0
+    writer.close()

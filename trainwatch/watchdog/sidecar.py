@@ -33,7 +33,7 @@ from trainwatch.watchdog.detectors.base import RankExit, TickView
 from trainwatch.watchdog.engine import DetectorEngine
 from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, serve_metrics
 from trainwatch.watchdog.hardware import HardwareMonitor
-from trainwatch.watchdog.history import HistoryWriter
+from trainwatch.watchdog.history import SAMPLE_INTERVAL_S, HistoryWriter
 from trainwatch.watchdog.incident import Incident
 from trainwatch.jobstore import JobStore
 from trainwatch.watchdog.jobwide import JobWideNode, job_scope
@@ -184,6 +184,7 @@ class Sidecar:
         """Hand the history sample (when due) and the snapshot (when asked) to the
         writer thread, with what they need captured now: the tick's table is
         never written to again (every read makes a new one)."""
+        self.history.interval_s = writer.spacing("history", SAMPLE_INTERVAL_S)
         now = self.history.claim(force=force)
         if now is not None:
             table, nodes, ratios = self.last_table, list(self.last_nodes), self.straggler_ratios()
@@ -279,7 +280,7 @@ class Sidecar:
             try:
                 self.tick_started(time.monotonic())
                 self.tick()
-                due = time.monotonic() - last_snapshot >= self.config.snapshot_s
+                due = time.monotonic() - last_snapshot >= writer.spacing("snapshot", self.config.snapshot_s)
                 self.submit_writes(writer, snapshot=due)
                 if due:
                     last_snapshot = time.monotonic()

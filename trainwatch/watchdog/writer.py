@@ -10,7 +10,11 @@ figures) and submits a job; this thread runs the jobs in order.
 Coalescing and bounded: at most one job waits per key ("snapshot",
 "history"). A newer job for a key replaces the waiting one, whose data is
 older anyway, and is counted in `replaced`, so a disk that cannot keep up
-costs resolution, never memory or the tick's period.
+costs resolution, never memory or the tick's period. The thread still
+shares the interpreter's lock with the tick, so the sidecar spaces each kind
+of write at least DUTY_FACTOR times its last duration apart (`spacing()`):
+at tens of thousands of ranks the files are written less often, and
+detection keeps most of the interpreter.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import time
 from typing import Callable
 
 log = logging.getLogger("trainwatch.sidecar")
+
+DUTY_FACTOR = 5.0
+"""A kind of write waits at least this many times its last duration before the next."""
 
 
 class BackgroundWriter:
@@ -35,6 +42,8 @@ class BackgroundWriter:
         """Jobs replaced by a newer one of their key before they ran."""
         self.done = 0
         """Jobs run (failed ones included: a failure is logged, the thread goes on)."""
+        self.seconds: dict[str, float] = {}
+        """How long the last job of each key took."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -53,6 +62,11 @@ class BackgroundWriter:
         """Whether a job of `key` waits or runs (the tick need not prepare another)."""
         with self._cond:
             return key in self._pending or self._running == key
+
+    def spacing(self, key: str, interval_s: float) -> float:
+        """The interval to keep between jobs of `key`: `interval_s`, or longer when
+        its last job took more than 1/DUTY_FACTOR of that."""
+        return max(interval_s, DUTY_FACTOR * self.seconds.get(key, 0.0))
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every submitted job has run; False on timeout."""
@@ -83,12 +97,14 @@ class BackgroundWriter:
                 key = next(iter(self._pending))
                 job = self._pending.pop(key)
                 self._running = key
+            started = time.monotonic()
             try:
                 job()
             except Exception:  # a full disk costs a file, never the watchdog
                 log.exception("trainwatch sidecar: writing %s failed", key)
             finally:
                 with self._cond:
+                    self.seconds[key] = time.monotonic() - started
                     self._running = None
                     self.done += 1
                     self._cond.notify_all()
