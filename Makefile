@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup system-deps bench clean
+.PHONY: run test test-repeat setup system-deps bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,12 @@ run: setup
 
 test: setup system-deps
 	$(BIN)/pytest -q -ra
+
+# Flaky-test finder: the end-to-end tests N times (shuffled after the first
+# run, the last beside a CPU hog); lists every test that did not always pass.
+N ?= 3
+test-repeat: setup system-deps
+	$(BIN)/python tests/repeat.py --runs $(N)
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py

@@ -39,3 +39,26 @@ def no_leftover_segments(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shuffle", type=int, default=None, metavar="SEED",
+                     help="run the test modules, and the tests within each, in an order drawn from SEED "
+                          "(tests/repeat.py uses it to find tests that depend on what ran before them)")
+
+
+def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("--shuffle")
+    if seed is None:
+        return
+    import random
+
+    rng = random.Random(seed)
+    # Shuffle modules and tests within a module, never interleave modules: a
+    # module-scoped fixture (a real Prometheus, a finished run) is set up once.
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = list(modules)
+    rng.shuffle(order)
+    items[:] = [item for name in order for item in rng.sample(modules[name], len(modules[name]))]

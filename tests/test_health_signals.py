@@ -135,7 +135,7 @@ def test_slowest_step_is_kept_until_the_sidecar_reads(segment, monkeypatch):
     assert (r["peak_data_s"], r["peak_backward_s"]) == pytest.approx((2.0, 0.5))
     assert math.isnan(r["peak_optimizer_s"])  # this rank has no optimizer phase
     assert r["step_s"] == pytest.approx(0.5) and r["data_s"] == pytest.approx(0.1)
-    segment.acknowledge_read(1)  # read: the next step starts a new window
+    segment.acknowledge_read(segment.read_table())  # step 4 read: the next step starts a new window
     step(0.1, 0.2, 0.3)
     r = row(segment)
     assert r["peak_step_s_step"] == 5 and r["peak_step_s"] == pytest.approx(0.6)

@@ -173,12 +173,12 @@ def test_rank_keeps_its_worst_loss_until_the_sidecar_reads(tmp_path):
     slots.create_segment(path, 1)
     seg = slots.Segment(path)
     tw = api.Telemetry(seg, 0, rank=0, world_size=1, restart=0, attached=True)
-    seg.acknowledge_read(1)
+    seg.acknowledge_read(seg.read_table())
     for loss in (3.0, 90.0, 2.9):
         tw.step(loss=loss, grad_norm=1.0)
     row = seg.read_table()[0]
     assert (row["loss"], row["peak_loss"], row["peak_loss_step"]) == (2.9, 90.0, 2)
-    seg.acknowledge_read(2)  # read: a new window starts with the next step
+    seg.acknowledge_read(seg.read_table())  # read step 3: a new window starts with the next step
     tw.step(loss=2.8, grad_norm=1.0)
     row = seg.read_table()[0]
     assert (row["peak_loss"], row["peak_loss_step"]) == (2.8, 4)
@@ -186,6 +186,31 @@ def test_rank_keeps_its_worst_loss_until_the_sidecar_reads(tmp_path):
     tw.step(loss=2.7, grad_norm=1.0)
     row = seg.read_table()[0]
     assert math.isnan(row["peak_loss"]) and row["peak_loss_step"] == 5  # NaN sticks within a window
+
+
+def test_a_spike_published_between_the_read_and_its_acknowledgement_is_kept(tmp_path):
+    """The sidecar copies the table, the rank publishes a spike, then the
+    sidecar acknowledges: the acknowledgement names the step it read, so the
+    rank keeps the unread spike for the next read instead of dropping it."""
+    from trainwatch.rank import telemetry as api
+
+    path = str(tmp_path / "seg")
+    slots.create_segment(path, 1)
+    seg = slots.Segment(path)
+    tw = api.Telemetry(seg, 0, rank=0, world_size=1, restart=0, attached=True)
+    for loss in (3.0, 2.9):
+        tw.step(loss=loss, grad_norm=1.0)
+    copied = seg.read_table()  # the sidecar's copy: step 2
+    tw.step(loss=150.0, grad_norm=40.0)  # step 3 spikes before the acknowledgement
+    seg.acknowledge_read(copied)
+    tw.step(loss=2.8, grad_norm=1.0)  # step 4 sees the acknowledgement of step 2
+    row = seg.read_table()[0]
+    assert (row["peak_loss"], row["peak_loss_step"]) == (150.0, 3)
+    assert (row["peak_grad"], row["peak_grad_step"]) == (40.0, 3)
+    seg.acknowledge_read(seg.read_table())  # now step 4 was read, the spike with it
+    tw.step(loss=2.7, grad_norm=1.0)
+    row = seg.read_table()[0]
+    assert (row["peak_loss"], row["peak_loss_step"]) == (2.7, 5)
 
 
 def test_truncated_segment_is_a_clear_error(tmp_path):

@@ -167,9 +167,12 @@ LAYOUT = {
         ("ckpt_status", "i", 1),
         ("ckpt_ready", "i", 1),  # 1 once the rank registered state an emergency checkpoint can write
         ("ckpt_step", "q", 1),
-        # The sidecar bumps read_ack after every read; the rank keeps the worst
-        # loss and grad norm since the last bump, so a one-step spike shorter
-        # than the read interval is never lost to sampling.
+        # After every read the sidecar stores here the step it read in this slot
+        # (+1, so 0 means "never read"). The rank keeps the worst loss, grad
+        # norm and step time since; a peak the sidecar has not read yet (a step
+        # after the one acknowledged: it was published between the sidecar's
+        # copy and its acknowledgement) is kept, so a one-step spike shorter
+        # than the read interval is never lost to sampling or to that race.
         ("read_ack", "Q", 1),
     ),
 }
@@ -409,14 +412,16 @@ class Segment:
         req, done, status, _ready, step = CONTROL.unpack_from(self.buf, self.offset(index) + C_OFF)
         return req, done, status, step
 
-    def acknowledge_read(self, counter: int) -> None:
-        """Tell every rank its slot was read (they restart their peak windows)."""
+    def acknowledge_read(self, table) -> None:
+        """Tell every rank which of its steps was read (`table` is the full table
+        `read_table` returned, one row per slot): each rank restarts its peak
+        window from the steps after that one."""
         import numpy as np
 
         if self._ack_idx is None:
             self._ack_idx = np.array([(self.offset(i) + ACK_OFF) // 8 for i in range(self.nslots)])
             self._words = np.frombuffer(self.buf, dtype="<u8")
-        self._words[self._ack_idx] = counter
+        self._words[self._ack_idx] = np.maximum(table["step"], -1).astype(np.int64) + 1
 
     def request_checkpoint(self, index: int, request_id: int) -> None:
         struct.pack_into("<Q", self.buf, self.offset(index) + C_OFF, request_id)

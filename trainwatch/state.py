@@ -25,7 +25,6 @@ missing, a bad line of a .jsonl file is skipped.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import socket
@@ -33,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainwatch import env, historyfile
+from trainwatch import env, historyfile, records
+from trainwatch.records import finite_number, is_int
 
 JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
@@ -168,59 +168,6 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def is_int(value: Any) -> bool:
-    """An integer read from JSON (true and false are not numbers)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def finite_number(value: Any) -> float | None:
-    """value as a finite float, None when it is not a number (or NaN, infinite, too large)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
-_INCIDENT_TEXT = ("time", "summary", "runbook", "category", "severity", "node", "job", "key")
-_VERDICT_TEXT = ("category", "summary", "runbook")
-
-
-def _rank_list(record: dict, key: str) -> None:
-    if key in record:
-        if isinstance(record[key], list):
-            record[key] = [r for r in record[key] if is_int(r)]
-        else:
-            del record[key]
-
-
-def _drop_wrong(record: dict, keys: tuple[str, ...], kind: type) -> None:
-    for key in keys:
-        if record.get(key) is not None and not isinstance(record[key], kind):
-            del record[key]
-
-
-def typed_incident(record: dict) -> dict:
-    """An events.jsonl incident as its readers use it: a field of the wrong type
-    (a culprit list that is a string, evidence that is a number) reads as missing."""
-    _drop_wrong(record, _INCIDENT_TEXT, str)
-    _drop_wrong(record, ("evidence", "restart", "verdict"), dict)
-    _rank_list(record, "culprit_ranks")
-    _rank_list(record, "victims")
-    verdict = record.get("verdict")
-    if isinstance(verdict, dict):
-        _drop_wrong(verdict, _VERDICT_TEXT, str)
-        _rank_list(verdict, "culprit_ranks")
-        if "confidence" in verdict and finite_number(verdict["confidence"]) is None:
-            del verdict["confidence"]
-        if "evidence" in verdict:
-            evidence = verdict["evidence"]
-            verdict["evidence"] = [e for e in evidence if isinstance(e, str)] if isinstance(evidence, list) else []
-    return record
-
-
 def safe_filename(name: str, default: str = "node") -> str:
     """A host or node name as one file name: never a path, never hidden."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100].lstrip(".") or default
@@ -317,24 +264,9 @@ class JobDir:
         append_line(self.events_file, json.dumps(event, sort_keys=True, default=str))
 
     def incidents(self) -> list[dict]:
-        """Incidents oldest first, each with its actions' results merged in
-        (an `action` record carries the `id` of the incident it belongs to)."""
-        out: list[dict] = []
-        by_id: dict[str, dict] = {}
-        for record in read_jsonl(self.events_file):
-            if not isinstance(record.get("kind"), str):
-                continue
-            if record["kind"] == "action":
-                target = by_id.get(str(record.get("incident")))
-                if target is not None:
-                    target.update({k: v for k, v in record.items() if k not in ("kind", "incident", "time", "id")})
-                continue
-            if record.get("id") is not None:
-                if str(record["id"]) in by_id:
-                    continue  # a job incident that every node of a shared home recorded
-                by_id[str(record["id"])] = record
-            out.append(record)
-        return [typed_incident(record) for record in out]
+        """Incidents oldest first, each with its actions' results, its resolution
+        and its recovery merged in (see trainwatch.records)."""
+        return records.merge_events(read_jsonl(self.events_file))
 
     def telemetry(self) -> dict:
         return read_json(self.telemetry_file) or {}

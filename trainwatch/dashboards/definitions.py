@@ -50,6 +50,20 @@ def _incidents(kinds: str | None = None) -> str:
     return f"trainwatch_incidents_total{{{NODE}{kind}}}"
 
 
+def events(counter: str, window: str, by: str, *, zero: bool = False) -> str:
+    """Events an event counter counted in the window, summed by `by`.
+
+    increase() sees nothing on a series whose first sample already holds the
+    event (Prometheus started scraping after it, or a restarted sidecar), so a
+    series that did not exist a window ago counts with its current value, as
+    the alert rules do. `zero` adds a 0 for groups with no event, so a stat
+    panel reads 0 rather than "No data".
+    """
+    out = (f"(sum by ({by}) (increase({counter}[{window}])) > 0)"
+           f" or sum by ({by}) ({counter} > 0 unless {counter} offset {window})")
+    return f"{out} or sum by ({by}) ({counter} * 0)" if zero else out
+
+
 def overview_dashboard() -> dm.Dashboard:
     b = base(
         "trainwatch-overview",
@@ -69,7 +83,7 @@ def overview_dashboard() -> dm.Dashboard:
         .with_panel(single("Stalled ranks", f"Ranks with no completed step for {STALL_SECONDS} s or more. Anything above 0 is a hang or a very long pause; run `trainwatch diagnose <job>`.",
                            [query(f"count by (job) ({AGE} >= {STALL_SECONDS})", "{{job}}")], span=4, red_at=1))
         .with_panel(single("Incidents in range", "Incidents raised in the selected time range, all kinds. `trainwatch diagnose <job>` explains the last one.",
-                           [query(f"sum by (job) (increase({_incidents()}[$__range]))", "{{job}}")], span=4, red_at=1, decimals=0))
+                           [query(events(_incidents(), "$__range", "job", zero=True), "{{job}}")], span=4, red_at=1, decimals=0))
         .with_panel(single("Worker group restarts", "Restarts since launch; each one resumed from the newest valid checkpoint. Several in a row: the fault survives a restart (bad node, data or checkpoint).",
                            [query(f"max by (job) (trainwatch_restarts_total{{{NODE}}})", "{{job}}")], span=4, red_at=1))
         .with_row(db.Row("Progress"))
@@ -159,7 +173,7 @@ def overview_dashboard() -> dm.Dashboard:
         .with_panel(graph(
             "Incidents by kind",
             "Incidents raised over time by detector kind (hang, collective_mismatch, straggler, crash, loss_nan, loss_spike, grad_explosion, dead_grad, vanishing_grad, lr_stuck, loss_scale_collapse, loss_trend, step_time_spike, xid, ecc, restart).",
-            [query(f"sum by (kind) (increase({_incidents()}[$__rate_interval])) > 0", "{{kind}}")],
+            [query(events(_incidents(), "$__rate_interval", "kind"), "{{kind}}")],
             bars=True, minimum=0,
         ))
         .with_panel(graph(
@@ -218,7 +232,7 @@ def ranks_dashboard() -> dm.Dashboard:
         .with_panel(graph(
             "Straggler incidents",
             "Straggler incidents raised by the sidecar (persistent slowdown over its window).",
-            [query(f"sum by (job, node) (increase({_incidents('straggler')}[$__rate_interval])) > 0", "{{job}} {{node}}")],
+            [query(events(_incidents("straggler"), "$__rate_interval", "job, node"), "{{job}} {{node}}")],
             bars=True, minimum=0,
         ))
         .with_row(db.Row("Where each rank is"))
@@ -262,7 +276,7 @@ def collectives_dashboard() -> dm.Dashboard:
         .with_panel(single("Largest in-flight lag", "Most collectives any rank has launched but not completed. It stays up on a rank stuck inside a collective.",
                            [query(f"max({ENQUEUED} - ignoring(state) {COMPLETED})")], span=6, red_at=5))
         .with_panel(single("Mismatch incidents in range", "Collective mismatch incidents: ranks of a group disagree on which collective comes next (like NCCL RAS). See the collective-mismatch runbook.",
-                           [query(f"sum(increase({_incidents('collective_mismatch')}[$__range]))")], span=6, red_at=1, decimals=0))
+                           [query(events(_incidents("collective_mismatch"), "$__range", "job", zero=True), "{{job}}")], span=6, red_at=1, decimals=0))
         .with_row(db.Row("Sequence numbers"))
         .with_panel(graph(
             "Completed collectives per rank",
@@ -321,13 +335,13 @@ def gpu_dashboard() -> dm.Dashboard:
         .with_panel(single(
             "Xid errors in range",
             "Driver-reported Xid errors in the selected range. `trainwatch explain` and the gpu-xid runbook give each code's meaning and action.",
-            [query(f"sum by (node, gpu) (increase({xid}[$__range]))", GPU_LEGEND)],
+            [query(events(xid, "$__range", "node, gpu", zero=True), GPU_LEGEND)],
             span=6, red_at=1, decimals=0,
         ))
         .with_panel(single(
             "Uncorrected ECC errors in range",
             "Any uncorrected ECC error means this GPU's results cannot be trusted: drain the node (gpu-ecc runbook).",
-            [query(f'sum by (node, gpu) (increase(trainwatch_gpu_ecc_errors_total{{{GPU},type="uncorrected"}}[$__range]))', GPU_LEGEND)],
+            [query(events(f'trainwatch_gpu_ecc_errors_total{{{GPU},type="uncorrected"}}', "$__range", "node, gpu", zero=True), GPU_LEGEND)],
             span=6, red_at=1, decimals=0,
         ))
         .with_panel(grid(

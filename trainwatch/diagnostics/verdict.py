@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from trainwatch import slots
+from trainwatch import kinds, slots
 from trainwatch.diagnostics import catalog
 from trainwatch.diagnostics.culprit import FLOOR_S, HEARTBEAT_STALE_S, K, Facts, GroupEntries, blame
 from trainwatch.diagnostics.stack_groups import odd_one_out
@@ -40,23 +40,18 @@ CATEGORY_RUNBOOK = {
     "xid": "gpu-xid",
     "ecc": "gpu-ecc",
     "healthy": "healthy",
+    "suspect": "hang",
     "stopped": "stopped",
     "starting": "starting",
     "finished": "finished",
-    "straggler": "straggler",
-    "loss_nan": "loss-nan",
-    "loss_spike": "loss-spike",
-    "grad_explosion": "grad-explosion",
-    "dead_grad": "dead-grad",
-    "vanishing_grad": "vanishing-grad",
-    "lr_stuck": "lr-stuck",
-    "loss_scale_collapse": "loss-scale-collapse",
-    "loss_trend": "loss-trend",
-    "step_time_spike": "step-time-spike",
-}
-ALERT_ONLY_KINDS = ("straggler", "loss_spike", "loss_nan", "grad_explosion", "dead_grad", "vanishing_grad", "lr_stuck",
-                    "loss_scale_collapse", "loss_trend", "step_time_spike")
-"""Incident kinds that leave a job running: the healthy verdict mentions the last one."""
+} | {k.name: k.runbook for k in kinds.KINDS.values() if k.name not in ("hang", "xid", "ecc")}
+ALERT_ONLY_KINDS = kinds.ALERT_ONLY_KINDS
+"""Incident kinds that leave a job running: the verdict names an open one."""
+SUSPECT_FRACTION = 0.5
+"""A rank idle for this fraction of its hang threshold (and well past its usual
+step) is `suspect`: not yet hung by the watchdog's rule, no longer healthy."""
+SUSPECT_MIN_S = 1.0
+"""...and idle at least this long (s)."""
 FALLBACK_RUNBOOK = "hang"
 """Runbook of a category the table does not know, or of an incident that named none."""
 PHASE_CATEGORY = {"data": "dataloader", "checkpoint": "checkpoint_io"}
@@ -88,10 +83,19 @@ def _fmt(ranks: Iterable[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
 
 
-def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = (), hardware: list[dict] = ()) -> Verdict:
+def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = (), hardware: list[dict] = (),
+           thresholds: dict | None = None) -> Verdict:
     """ranks: diagnose's per-rank rows (rank, step, phase, last_progress_s,
     heartbeat_age_s, collectives{enqueued,completed,last_op}, state, capture_error);
-    groups: StackGroup list; incidents: events.jsonl records, oldest first."""
+    groups: StackGroup list; incidents: events.jsonl records, oldest first, with
+    their `status` (an incident without one is open); thresholds: the hang
+    thresholds in force (telemetry.json's `thresholds`: `{"hang": {"floor_s",
+    "k", "ranks": {rank: seconds}}}`), so the verdict judges a rank idle by the
+    same numbers as the watchdog.
+
+    Never `healthy` while an incident of the current run is open or a rank is
+    idle past its threshold; before the threshold, a rank idle well past its
+    usual step is `suspect`."""
     evidence: list[str] = []
     bad_hw = [h for h in hardware if h.get("severity") in ("high", "critical")]
     if bad_hw:
@@ -139,16 +143,36 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
     steps = [r["step"] for r in ranks]
     step_s = [r["step_s"] for r in ranks if r.get("step_s")]
     stall_s = max(FLOOR_S, K * median(step_s)) if step_s else FLOOR_S
-    stalled = [r for r in ranks if (r.get("last_progress_s") or 0) > stall_s]
+    limits = _thresholds(ranks, thresholds, stall_s)
+    stalled = [r for r in ranks if (r.get("last_progress_s") or 0) > limits[r["rank"]]]
+    still_open = [i for i in incidents if i.get("status", "open") == "open" and i.get("kind") in kinds.KINDS]
+    fault = next((i for i in reversed(still_open) if i.get("kind") not in ALERT_ONLY_KINDS), None)
     if gone:
         culprits = sorted(r["rank"] for r in gone)
         return Verdict("child_failed", culprits, f"{_fmt(culprits)} exited; its peers cannot make progress",
                        _runbook_for("child_failed", None), 0.85,
                        [f"rank {r['rank']}: process {r['pid']} is gone" for r in gone])
+    if not stalled and fault is not None:
+        return _from_open(fault, groups)
     if not stalled:
         lp = max((r.get("last_progress_s") or 0) for r in ranks)
+        typical = median(step_s) if step_s else 0.0
+        suspects = [r for r in ranks if (r.get("last_progress_s") or 0)
+                    > max(SUSPECT_MIN_S, SUSPECT_FRACTION * limits[r["rank"]], 3.0 * typical)]
+        if suspects:
+            who = sorted(r["rank"] for r in suspects)
+            return Verdict(
+                "suspect", who,
+                f"{_fmt(who)} made no progress for {max(r['last_progress_s'] for r in suspects):.1f}s, short of the "
+                f"hang threshold in force ({min(limits[k] for k in who):.1f}s); the watchdog calls it hung then",
+                _runbook_for("suspect", None), 0.5,
+                [f"rank {r['rank']}: no progress for {r['last_progress_s']:.1f}s in phase '{r.get('phase')}' "
+                 f"(threshold {limits[r['rank']]:.1f}s)" for r in suspects])
+        alert = next((i for i in reversed(still_open) if i.get("kind") in ALERT_ONLY_KINDS), None)
+        if alert is not None:
+            return _from_open(alert, groups, prefix="training, with an open incident")
         recent = [i for i in incidents if i.get("kind") in ALERT_ONLY_KINDS]
-        note = f"; last incident: {recent[-1]['kind']}" if recent else ""
+        note = f"; last incident: {recent[-1]['kind']} (resolved)" if recent else ""
         return Verdict(
             "healthy", [],
             f"healthy: steps advancing on all {len(ranks)} ranks (step {min(steps)}..{max(steps)}, "
@@ -158,7 +182,7 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
         )
 
     from_groups = {k: g for g in groups for k in g.ranks}
-    live_incident = next((i for i in reversed(incidents) if i.get("kind") in ("hang", "collective_mismatch")), None)
+    live_incident = next((i for i in reversed(still_open) if i.get("kind") in ("hang", "collective_mismatch")), None)
     culprits, why = _culprits(ranks, stall_s)
     odd = odd_one_out(groups) if groups else None
     confidence = 0.6 if culprits else 0.45
@@ -205,6 +229,38 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
     evidence.extend(f"rank {lead}: {w}" for w in why[lead])
     return Verdict(category, culprits, summary, _runbook_for(category, pattern_id), round(min(0.95, confidence), 2),
                    evidence)
+
+
+def _thresholds(ranks: list[dict], thresholds: dict | None, fallback_s: float) -> dict[int, float]:
+    """Each rank's hang threshold in force: the watchdog's own figure where
+    telemetry.json has it, else max(its floor, k x the median step)."""
+    hang = (thresholds or {}).get("hang") if isinstance(thresholds, dict) else None
+    if not isinstance(hang, dict):
+        return {r["rank"]: fallback_s for r in ranks}
+    floor = hang.get("floor_s") if isinstance(hang.get("floor_s"), (int, float)) else FLOOR_S
+    per_rank = hang.get("ranks") if isinstance(hang.get("ranks"), dict) else {}
+    out = {}
+    for r in ranks:
+        value = per_rank.get(str(r["rank"]))
+        out[r["rank"]] = float(value) if isinstance(value, (int, float)) and value > 0 else float(floor)
+    return out
+
+
+def _from_open(incident: dict, groups: list[Any], prefix: str = "open incident") -> Verdict:
+    """The verdict of an open incident: its own kind, culprits and runbook (a
+    capture's verdict refines the category), so diagnose says what the console
+    said."""
+    culprits = sorted(incident.get("culprit_ranks") or [])
+    captured = incident.get("verdict") if isinstance(incident.get("verdict"), dict) else {}
+    category = captured.get("category") or incident.get("category") or incident.get("kind", "other")
+    if not captured and culprits:
+        group = next((g for g in groups if culprits[0] in g.ranks), None)
+        if group is not None and group.category not in ("other", "collective_wait"):
+            category = group.category
+    runbook = incident.get("runbook") or CATEGORY_RUNBOOK.get(category, FALLBACK_RUNBOOK)
+    ident = f" {incident['id']}" if incident.get("id") else ""
+    return Verdict(category, culprits, f"{prefix} ({incident.get('kind')}{ident}): {incident.get('summary', '')}",
+                   runbook, 0.9, [str(incident.get("summary", ""))])
 
 
 def _culprits(ranks: list[dict], stall_s: float) -> tuple[list[int], dict[int, list[str]]]:

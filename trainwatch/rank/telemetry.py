@@ -165,23 +165,29 @@ class Telemetry:
             # phase from now on is plain compute, not the lenient "init".
             self._phase, self._phase_name = _COMPUTE, "compute"
         # Worst values since the sidecar last read the slot (NaN sticks).
+        # The sidecar acknowledges the step it read (+1). A peak at or before
+        # that step was seen and starts over from this step; a later one was
+        # published after the sidecar's copy and is kept until it is read.
         ack = self._words[self._ack_word]
         if ack != self._ack:
             self._ack = ack
-            self._pl, self._pls, self._pg, self._pgs = self._loss, n, self._grad_norm, n
-            if self._timed:  # a process's first step also timed its start-up: never a peak
-                self._ps, self._pss, self._pds, self._pbs, self._pos = step_s, n, d, b, o
-            else:
-                self._ps, self._pss, self._pds, self._pbs, self._pos = math.nan, 0, math.nan, math.nan, math.nan
-        else:
-            if self._timed and not (step_s <= self._ps):
-                self._ps, self._pss, self._pds, self._pbs, self._pos = step_s, n, d, b, o
-            pk = self._pl
-            if pk == pk and not (self._loss <= pk):
+            if self._pss < ack:
+                self._pss = 0
+            if self._pls < ack or self._pls == 0:
                 self._pl, self._pls = self._loss, n
-            pk = self._pg
-            if pk == pk and not (self._grad_norm <= pk):
+            if self._pgs < ack or self._pgs == 0:
                 self._pg, self._pgs = self._grad_norm, n
+        if self._timed:  # a process's first step also timed its start-up: never a peak
+            if self._pss == 0 or not (step_s <= self._ps):
+                self._ps, self._pss, self._pds, self._pbs, self._pos = step_s, n, d, b, o
+        elif self._pss == 0:
+            self._ps, self._pds, self._pbs, self._pos = math.nan, math.nan, math.nan, math.nan
+        pk = self._pl
+        if pk == pk and not (self._loss <= pk):
+            self._pl, self._pls = self._loss, n
+        pk = self._pg
+        if pk == pk and not (self._grad_norm <= pk):
+            self._pg, self._pgs = self._grad_norm, n
         # Exact end-of-step collective counts (Python calls on world-spanning
         # groups; the default group's sequence number, which also counts
         # DDP/FSDP's own collectives): ranks compare them at equal steps.

@@ -215,7 +215,7 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
         else:
             r["state"] = "exited"
     hardware = hardware_findings(incidents)
-    v = _verdict(job, status, live, ranks, groups, incidents, hardware)
+    v = _verdict(job, status, live, ranks, groups, incidents, hardware, telemetry.get("thresholds"))
     samples, no_samples, simulated = utilisation.samples_from_telemetry(telemetry)
     gpu = utilisation.gpu_utilisation(ranks, samples, no_samples=no_samples, simulated=simulated,
                                       skip=utilisation.not_judged(status, v.category))
@@ -227,7 +227,7 @@ def _num(value: Any) -> float:
     return state.finite_number(value) or 0.0
 
 
-def _verdict(job, status, live, ranks, groups, incidents, hardware) -> verdict_mod.Verdict:
+def _verdict(job, status, live, ranks, groups, incidents, hardware, thresholds=None) -> verdict_mod.Verdict:
     if status == "starting":
         attached = len(ranks)
         expected = len(job["ranks"]) if isinstance(job.get("ranks"), list) and job["ranks"] else (
@@ -246,7 +246,7 @@ def _verdict(job, status, live, ranks, groups, incidents, hardware) -> verdict_m
         note = f" ({len(faults)} incident(s) along the way; see incidents)" if faults else ""
         return verdict_mod.Verdict("finished", [], f"job finished normally{note}", "finished", 0.95, [])
     if live:
-        return verdict_mod.decide(ranks, groups, incidents, hardware)
+        return verdict_mod.decide(ranks, groups, incidents, hardware, thresholds)
     if incidents:
         last = next((i for i in reversed(incidents) if i.get("kind") != "restart"), incidents[-1])
         return verdict_mod._from_incident(last, f"job {job.get('status', 'finished')}; last incident")

@@ -1,16 +1,24 @@
 """The detector engine: runs every detector once per sidecar tick and turns
-their findings into incidents worth acting on.
+their findings into incidents with a lifecycle.
 
 Detectors may report a fault on every tick they see it; the engine makes one
-incident of it. An incident key (kind + culprit ranks by default) is muted
-while it keeps being reported, and fires again only after it has been absent
-for `rearm_s` or, once absent, after the culprits' steps moved on (the fault
-went away and came back). A crash mutes hangs and collective mismatches until
-training progresses again: the peers of a dead rank stall because of it, and
-one restart fixes both. A collective mismatch and a hang mute each other the
-same way: ranks that desynchronised end up stuck in collectives, and a rank
-stuck elsewhere leaves its peers parked at other operations; either way it is
-one fault, reported once.
+incident of it, in the manner of Alertmanager and Kubernetes events: the first
+report opens it (the incident is returned to act on), reports while it is
+open only count and refresh it, and it is resolved once its condition is over
+(`take_resolved()` hands those out with how long they lasted and how often
+they were seen). When a condition is over depends on its kind
+(`trainwatch.kinds`): a hang, crash or mismatch once nobody reports it and the
+ranks it named made progress (a new episode of the same key after that is a
+new incident); a straggler or a NaN streak, whose ranks keep stepping, once
+nobody has reported it for `rearm_s`. A restarted culprit (a new process)
+always ends the old incident.
+
+A crash mutes hangs and collective mismatches until training progresses
+again: the peers of a dead rank stall because of it, and one restart fixes
+both. A collective mismatch and a hang mute each other the same way: ranks
+that desynchronised end up stuck in collectives, and a rank stuck elsewhere
+leaves its peers parked at other operations; either way it is one fault,
+reported once.
 
 One failing detector never costs the round: its exception is logged and the
 other detectors still run, the same way the sidecar loop around `tick()`
@@ -27,17 +35,11 @@ from typing import Iterable
 
 import numpy as np
 
-from trainwatch import slots
+from trainwatch import kinds, slots
 from trainwatch.watchdog.detectors.base import Detector, TickView, grow
 from trainwatch.watchdog.incident import Incident
 
-MUTES = {
-    "crash": frozenset({"hang", "collective_mismatch"}),
-    "collective_mismatch": frozenset({"hang"}),
-    # A rank stuck outside its collectives leaves its peers parked at other
-    # operations: that is the same stall, not a second fault.
-    "hang": frozenset({"collective_mismatch"}),
-}
+MUTES = kinds.MUTES
 """Incident kinds that an earlier incident explains until training progresses again."""
 _PRIORITY = {kind: i for i, kind in enumerate(MUTES)}
 
@@ -46,8 +48,9 @@ _PRIORITY = {kind: i for i, kind in enumerate(MUTES)}
 class EngineConfig:
     """Settings of the detector engine."""
 
-    rearm_s: float = 30.0
-    """A muted incident key fires again after being absent this long (s)."""
+    rearm_s: float = 60.0
+    """An open incident whose condition nobody has reported for this long is
+    resolved; reported again later, it is a new incident (s)."""
 
 
 @dataclass(slots=True)
@@ -59,6 +62,32 @@ class _Seen:
     detected: float = -1.0
     """detected_mono of the incident last admitted: a detector that hands back the
     same detection after a gap is not a new fault."""
+    incident: Incident | None = None
+    """The open incident."""
+    count: int = 1
+    """Ticks it was reported in while open."""
+    last_seen: float = 0.0
+    """Monotonic time of the last report."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """An incident whose condition is over."""
+
+    incident: Incident
+    """The incident as it opened."""
+    resolved_mono: float
+    """When the engine saw it was over (monotonic s)."""
+    last_seen_mono: float
+    """Its last report (monotonic s)."""
+    count: int
+    """Ticks it was reported in while open."""
+    reason: str
+    """Why it is over, in words."""
+
+    @property
+    def duration_s(self) -> float:
+        return max(0.0, self.last_seen_mono - self.incident.detected_mono)
 
 
 @dataclass(slots=True)
@@ -85,14 +114,30 @@ class DetectorEngine:
         """Number of rounds each detector failed in (by detector name)."""
         self._seen: dict[str, _Seen] = {}
         self._episodes: dict[str, _Episode] = {}
+        self._resolved: list[Resolved] = []
+
+    def open_incidents(self) -> list[Incident]:
+        """Incidents whose condition is not over, oldest first."""
+        return [s.incident for s in self._seen.values() if s.incident is not None]
+
+    def take_resolved(self) -> list[Resolved]:
+        """Incidents resolved since the last call, oldest first."""
+        out, self._resolved = self._resolved, []
+        return out
 
     def detector(self, name: str) -> Detector | None:
         """The running detector of that name (e.g. 'straggler' for its ratios)."""
         return next((d for d in self.detectors if d.name == name), None)
 
-    def tick(self, view: TickView) -> list[Incident]:
-        """Run one round over `view`; return the incidents to act on now."""
+    def tick(self, view: TickView, extra: Iterable[Incident] = ()) -> list[Incident]:
+        """Run one round over `view`; return the incidents newly opened (to act
+        on now). `extra`: incidents found outside the detectors this round
+        (hardware events), which share the same lifecycle."""
         found: list[Incident] = []
+        for inc in extra:
+            if not inc.detected_mono:
+                inc.detected_mono = view.now
+            found.append(inc)
         for det in self.detectors:
             name = det.name or type(det).__name__
             try:
@@ -132,28 +177,53 @@ class DetectorEngine:
                 continue
             if seen.absent_since is None:
                 seen.absent_since = now
-            elif now - seen.absent_since >= self.config.rearm_s:
-                del self._seen[key]  # re-armed: the next report is a new incident
+            why = self._over(seen, view)
+            if why is not None:
+                del self._seen[key]
+                if seen.incident is not None:
+                    self._resolved.append(Resolved(seen.incident, now, seen.last_seen, seen.count, why))
         return emitted
 
-    # ---- de-duplication -------------------------------------------------------------
+    # ---- lifecycle ------------------------------------------------------------------
 
     def _admit(self, inc: Incident, view: TickView) -> bool:
+        """True when `inc` opens a new incident; False when it is the open one again."""
         seen = self._seen.get(inc.key)
-        if seen is None:
-            self._seen[inc.key] = _Seen(absent_since=None, steps=self._steps_of(inc, view), detected=inc.detected_mono)
-            return True
-        if seen.absent_since is None:
-            return False  # still the same fault
-        absent_since, seen.absent_since = seen.absent_since, None
-        if inc.detected_mono == seen.detected:
-            return False
+        if seen is not None and inc.detected_mono == seen.detected:
+            seen.absent_since, seen.last_seen = None, view.now
+            return False  # the same detection handed back: not a new fault
+        if seen is not None:
+            now_steps = self._steps_of(inc, view)
+            restarted = _new_process(seen.steps, now_steps)
+            moved_on = (_is_progress_kind(inc.kind) and seen.absent_since is not None
+                        and _advanced(seen.steps, now_steps))
+            if not (restarted or moved_on):
+                seen.absent_since, seen.last_seen = None, view.now
+                seen.count += 1
+                return False  # still the same fault: counted, not raised again
+            # The old fault is over (its culprits restarted, or got going and
+            # stalled anew): resolved, and this is a new incident.
+            if seen.incident is not None:
+                self._resolved.append(Resolved(seen.incident, view.now, seen.last_seen, seen.count,
+                                               "its ranks restarted" if restarted else "its ranks made progress"))
+        self._seen[inc.key] = _Seen(absent_since=None, steps=self._steps_of(inc, view), detected=inc.detected_mono,
+                                    incident=inc, last_seen=view.now)
+        return True
+
+    def _over(self, seen: _Seen, view: TickView) -> str | None:
+        """Why an open incident that was not reported this tick is over; None while it is not."""
+        absent = view.now - seen.absent_since
+        if absent >= self.config.rearm_s:
+            return f"not seen for {absent:.0f}s"
+        inc = seen.incident
+        if inc is None or not _is_progress_kind(inc.kind):
+            return None
         now_steps = self._steps_of(inc, view)
-        if view.now - absent_since >= self.config.rearm_s or _advanced(seen.steps, now_steps):
-            seen.steps = now_steps
-            seen.detected = inc.detected_mono
-            return True
-        return False
+        if _new_process(seen.steps, now_steps):
+            return "its ranks restarted"
+        if _advanced(seen.steps, now_steps):
+            return "its ranks made progress"
+        return None
 
     @staticmethod
     def _steps_of(inc: Incident, view: TickView) -> dict[int, tuple[int, int]]:
@@ -199,6 +269,17 @@ class DetectorEngine:
         moved = (t["step"] > ep.step[ranks]) | (t["pid"] != ep.pid[ranks])
         done = moved & (t["step"] >= 1) & (progress > ep.since) & (progress > t["start_mono"])
         return bool(done.any())
+
+
+def _is_progress_kind(kind: str) -> bool:
+    spec = kinds.spec(kind)
+    return spec is None or spec.resolution is kinds.Resolution.PROGRESS
+
+
+def _new_process(before: dict[int, tuple[int, int]], now: dict[int, tuple[int, int]]) -> bool:
+    """True when every culprit still present is a new process (a restart)."""
+    common = [r for r in now if r in before and r >= 0]
+    return bool(common) and all(now[r][0] != before[r][0] for r in common)
 
 
 def _advanced(before: dict[int, tuple[int, int]], now: dict[int, tuple[int, int]]) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Iterator, Protocol
 from wsgiref.simple_server import make_server
 
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 from prometheus_client.registry import Collector
 
+from trainwatch import kinds
 from trainwatch.rankrow import RankRow
 
 IDLE_TIMEOUT_S = 10.0
@@ -25,9 +27,8 @@ half-open connections never pile up threads in the exporter."""
 LISTEN_BACKLOG = 256
 """Connections the kernel queues while every handler is busy (Python's default is 5)."""
 
-INCIDENT_KINDS = ("hang", "collective_mismatch", "straggler", "crash", "loss_nan", "loss_spike",
-                  "grad_explosion", "dead_grad", "vanishing_grad", "lr_stuck", "loss_scale_collapse", "loss_trend",
-                  "step_time_spike", "xid", "ecc", "restart", "node_lost")
+INCIDENT_KINDS = tuple(kinds.KINDS)
+"""Every incident kind: their counters exist from 0."""
 
 # Step-duration buckets (seconds): from fast GPU steps to multi-minute ones.
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -78,9 +79,9 @@ class StepHistogram:
         self._step[ranks], self._pid[ranks], self._progress[ranks] = step, pid, progress
 
     def series(self):
-        """(rank, cumulative bucket counts incl. +Inf, sum) for every rank with a step."""
-        totals = self.counts.sum(axis=1)
-        for rank in np.nonzero(totals)[0].tolist():
+        """(rank, cumulative bucket counts incl. +Inf, sum) for every rank seen,
+        from 0 before its first step, so increase() counts that step too."""
+        for rank in np.nonzero((self._pid > 0) | (self.counts.sum(axis=1) > 0))[0].tolist():
             yield rank, np.cumsum(self.counts[rank]).tolist(), float(self.sums[rank])
 
 
@@ -93,6 +94,7 @@ class Source(Protocol):
     incident_counts: dict[str, int]
 
     def rows(self) -> list[RankRow]: ...
+    def open_incidents(self) -> list[dict]: ...
     def straggler_ratios(self) -> dict[int, float]: ...
     def restarts(self) -> int: ...
     def hardware_metrics(self) -> Iterator: ...
@@ -185,6 +187,7 @@ class TrainwatchCollector(Collector):
         for kind, n in sorted(counts.items()):
             incidents.add_metric([job, sc.node, kind], float(n))
         yield incidents
+        yield from _open_incidents(job, sc)
         restarts = CounterMetricFamily("trainwatch_restarts", "Worker group restarts.", labels=["job", "node"])
         restarts.add_metric([job, sc.node], float(sc.restarts()))
         yield restarts
@@ -192,6 +195,32 @@ class TrainwatchCollector(Collector):
         job_metrics = getattr(sc, "job_metrics", None)
         if job_metrics is not None:
             yield from job_metrics()
+
+
+def _open_incidents(job: str, sc: Source) -> Iterator:
+    """Open incidents by kind and severity (0 for every kind at its usual
+    severity), and how long the oldest of each kind has been open: the alert
+    rules page on these, so a fault pages once however long it lasts, and stops
+    when it is resolved."""
+    opened = GaugeMetricFamily("trainwatch_incident_open", "Incidents open now (detected, not yet resolved), by kind "
+                               "and severity.", labels=["job", "node", "kind", "severity"])
+    age = GaugeMetricFamily("trainwatch_incident_open_age_seconds", "How long the oldest open incident of each kind "
+                            "has been open (s).", labels=["job", "node", "kind"])
+    counts = {(k.name, k.severity): 0 for k in kinds.KINDS.values()}
+    oldest: dict[str, float] = {}
+    now = time.time()
+    for record in getattr(sc, "open_incidents", lambda: [])():
+        kind, severity = str(record.get("kind")), str(record.get("severity"))
+        counts[(kind, severity)] = counts.get((kind, severity), 0) + 1
+        since = record.get("opened_time")
+        if isinstance(since, (int, float)):
+            oldest[kind] = max(oldest.get(kind, 0.0), now - since)
+    for (kind, severity), n in sorted(counts.items()):
+        opened.add_metric([job, sc.node, kind, severity], float(n))
+    for kind, seconds in sorted(oldest.items()):
+        age.add_metric([job, sc.node, kind], max(0.0, seconds))
+    yield opened
+    yield age
 
 
 def _loss_slopes(sc: Source) -> dict[int, float]:

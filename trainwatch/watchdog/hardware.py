@@ -106,6 +106,17 @@ class HardwareMonitor:
         """(gpu, xid code, severity) -> events, for trainwatch_gpu_xid_errors_total."""
         self.ecc_seen: dict[int, int] = {}
 
+    @classmethod
+    def for_job(cls, config: Any, nproc: int) -> HardwareMonitor:
+        """The monitor of a job's node (a SidecarConfig): NVML and the kernel log;
+        injected Xid/ECC faults come in as a fake GPU."""
+        from trainwatch.inject.hardware import InjectedHardwareFaults
+
+        injected = None
+        if config.faults:
+            injected = InjectedHardwareFaults(config.faults, nproc=nproc, kernel_log_path=config.kernel_log)
+        return cls(nproc=nproc, kernel_log_path=config.kernel_log, injected=injected)
+
     # ---- mapping -------------------------------------------------------------
 
     def _gpu_of_pci(self, pci: str | None) -> int | None:

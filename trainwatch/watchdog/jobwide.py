@@ -36,12 +36,15 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainwatch import rankrow, slots
+from trainwatch import kinds, rankrow, slots
 from trainwatch.capture import capture_ranks
 from trainwatch.jobstore import JobStore
 from trainwatch.watchdog.detectors.base import TickView
 from trainwatch.watchdog.engine import DetectorEngine
 from trainwatch.watchdog.incident import Incident
+
+JOB_INCIDENT_KINDS = kinds.JOB_SCOPE_KINDS
+"""Kinds the aggregator raises for the whole job (trainwatch_job_incidents_total)."""
 
 log = logging.getLogger("trainwatch.jobwide")
 
@@ -171,11 +174,12 @@ class Aggregator:
         self.observe(summaries)
         lost = self.lost_nodes()
         table, labels = self.table()
-        new = list(lost)
-        if len(table):
-            for inc in self.engine.tick(TickView(now=self.clock(), table=table, nodes=labels)):
+        new = []
+        if len(table) or lost:
+            for inc in self.engine.tick(TickView(now=self.clock(), table=table, nodes=labels), extra=lost):
                 # While a node is lost, its peers wait for it: that is the node_lost incident.
-                if any(s.lost for s in self.nodes.values()) and inc.kind in ("hang", "collective_mismatch"):
+                if (inc.kind in ("hang", "collective_mismatch") and inc not in lost
+                        and any(s.lost for s in self.nodes.values())):
                     continue
                 new.append(inc)
         return new
@@ -220,6 +224,8 @@ class JobWideNode:
         except Exception:  # the store is away: the first round says so
             self.incidents_seen = self.captures_seen = 0
         self.incident_counts: dict[str, int] = {}
+        self.job_ids: dict[str, str] = {}
+        """Aggregator: engine key -> id of the open job incident."""
         self.published_incidents = 0
         self.store_failed = False
 
@@ -259,7 +265,14 @@ class JobWideNode:
 
     def aggregate(self) -> None:
         sc = self.sidecar
-        for incident in self.aggregator.tick(self.summaries()):
+        new = self.aggregator.tick(self.summaries())
+        # Job incidents that are over: every node takes the news from the store.
+        for res in self.aggregator.engine.take_resolved():
+            job_id = self.job_ids.pop(res.incident.key, None)
+            if job_id is not None:
+                self.store.add_incident({"kind": "resolved", "incident": job_id, "duration_s": round(res.duration_s, 3),
+                                         "count": res.count, "reason": res.reason})
+        for incident in new:
             record = incident.to_json()
             nodes = self.aggregator.nodes_of(record.get("culprit_ranks") or [])
             if incident.kind == "node_lost":
@@ -268,6 +281,7 @@ class JobWideNode:
             record.update(scope="job", nodes=nodes, node=",".join(nodes) or sc.node,
                           id=f"job-{sc.run_id or os.getpid()}-{self.published_incidents}-{incident.kind}")
             self.incident_counts[incident.kind] = self.incident_counts.get(incident.kind, 0) + 1
+            self.job_ids[incident.key] = record["id"]
             self.store.add_incident(record)
 
     def capture_for(self, n: int) -> None:
@@ -315,6 +329,7 @@ class JobWideNode:
             g.add_metric([job], float(value))
             yield g
         c = CounterMetricFamily("trainwatch_job_incidents", "Job-wide incidents, by kind.", labels=["job", "kind"])
-        for kind, n in sorted(self.incident_counts.items()):
+        # The job-scope kinds start at 0, so increase() counts the first one too.
+        for kind, n in sorted((dict.fromkeys(JOB_INCIDENT_KINDS, 0) | self.incident_counts).items()):
             c.add_metric([job, kind], float(n))
         yield c

@@ -1,5 +1,5 @@
 """Recovery accounting: when a restarted worker group is back to training, one
-`restart` incident says from which step it resumed, how many steps were lost
+`restart` record (an action of the incident it restarted for) says from which step it resumed, how many steps were lost
 and where the seconds between the fault and the first new step went.
 
 The step a job resumed from is only stated when it is known: ranks that number
@@ -45,8 +45,11 @@ class RestartTracker:
     def note_fault(self, record: dict, table=None) -> None:
         """Remember the fault a restart will recover from (for the breakdown);
         `table` is the slot table the fault was seen in."""
+        # A job incident taken from another node carries that node's monotonic
+        # clock: not comparable with ours, so it times nothing here.
+        detected = record.get("detected_mono") if record.get("scope") != "job" else None
         fault: dict[str, Any] = {"kind": record.get("kind"), "culprit_ranks": record.get("culprit_ranks") or [],
-                                 "detected_mono": record.get("detected_mono")}
+                                 "detected_mono": detected or self.clock(), "id": record.get("id")}
         culprits = set(fault["culprit_ranks"])
         if table is not None and culprits and len(table):
             rows = table[np.isin(table["rank"], list(culprits))]
@@ -122,7 +125,7 @@ class RestartTracker:
             # went; cause = the incident kind restarted for.
             evidence={"restart": restart, "resumed_from_step": resumed_at, "last_step_before": self._last_step,
                       "steps_lost": lost, "recovery_s": recovery_s, "breakdown": breakdown,
-                      "cause": fault.get("kind")},
+                      "cause": fault.get("kind"), "cause_id": fault.get("id")},
             key=f"restart:{restart}",
             detected_mono=self.clock(),
         )

@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from trainwatch import rankrow, slots, state
+import numpy as np
+
+from trainwatch import kinds, rankrow, slots, state
 from trainwatch.capture import capture_ranks
 from trainwatch.diagnostics.verdict import decide
 from trainwatch.watchdog.checkpointing import describe as describe_checkpoint
@@ -30,9 +32,9 @@ from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 
 log = logging.getLogger("trainwatch.sidecar")
 
-CAPTURE_KINDS = frozenset({"hang", "collective_mismatch"})
+CAPTURE_KINDS = kinds.CAPTURE_KINDS
 """Incidents that trigger an all-rank stack capture and a verdict."""
-RESTART_KINDS = frozenset({"hang", "collective_mismatch", "xid", "ecc", "node_lost"})
+RESTART_KINDS = kinds.RESTART_KINDS - {"crash"}
 """Incidents the sidecar restarts the job for. Crashes restart through
 torchelastic directly (the agent sees the exit); stragglers and loss
 incidents only alert: restarting would not fix them and would lose work."""
@@ -130,7 +132,9 @@ class ResponderContext:
     run: str
     """This run's id: the agent only obeys requests of its own run."""
     incidents: Callable[[], list[dict]]
-    """The job's incidents so far (for the verdict)."""
+    """The job's open incidents (for the verdict)."""
+    thresholds: Callable[[], dict] = dict
+    """The hang thresholds in force (for the verdict, as telemetry.json has them)."""
     add_timings: Callable[..., None]
     """Tell the restart tracker how long the capture and checkpoint took."""
     out: Any
@@ -212,7 +216,8 @@ class Responder:
         rows = rankrow.rows_json(rankrow.decode(ctx.segment.read_table(), time.monotonic(), ctx.node))
         groups, where, failed = capture_ranks(rows, job=ctx.job, label=str(record.get("kind")),
                                               timeout_s=self.policy.capture_timeout_s)
-        v = decide(rows, groups, ctx.incidents() + [record], [])
+        current = [i for i in ctx.incidents() if i.get("id") != record.get("id")]
+        v = decide(rows, groups, current + [record], [], ctx.thresholds())
         return {
             "capture": {"dir": str(where), "seconds": round(time.monotonic() - t0, 3), "ranks": len(rows),
                         "failed": failed},
@@ -257,3 +262,15 @@ def describe(results: dict) -> str:
 
 def _ranks(ranks) -> str:
     return ",".join(str(r) for r in ranks) or "-"
+
+
+def incident_step(record: dict, table) -> int | None:
+    """The step an incident happened at: its evidence's, else its culprits' lowest."""
+    step = (record.get("evidence") or {}).get("step")
+    if isinstance(step, int):
+        return step
+    culprits = record.get("culprit_ranks") or []
+    if table is None or not len(table) or not culprits:
+        return None
+    rows = table[np.isin(table["rank"], culprits)]
+    return int(rows["step"].min()) if len(rows) else None

@@ -22,10 +22,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-import numpy as np
 
 from trainwatch import procctl, rankrow, slots, state
-from trainwatch.inject.hardware import InjectedHardwareFaults
 from trainwatch.watchdog import otel, thresholds
 from trainwatch.watchdog.config import SidecarConfig
 from trainwatch.watchdog.detectors import default_detectors
@@ -33,13 +31,13 @@ from trainwatch.watchdog.detectors.base import RankExit, TickView
 from trainwatch.watchdog.engine import DetectorEngine
 from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, serve_metrics
 from trainwatch.watchdog.hardware import HardwareMonitor
-from trainwatch.watchdog.history import SAMPLE_INTERVAL_S, HistoryWriter
+from trainwatch.watchdog.history import HistoryWriter
 from trainwatch.watchdog.incident import Incident
 from trainwatch.jobstore import JobStore
 from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.recovery import RestartTracker
-from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate
-from trainwatch.watchdog.writer import BackgroundWriter
+from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate, incident_step
+from trainwatch.watchdog.writer import BackgroundWriter, snapshot_job, submit_writes
 
 log = logging.getLogger("trainwatch.sidecar")
 
@@ -80,6 +78,10 @@ class Sidecar:
         self.last_nodes: list[str] = []
         self.incident_counts: dict[str, int] = {}
         self.incidents: list[dict] = []
+        self.open: dict[str, dict] = {}
+        """Open incidents (id -> record), until resolved."""
+        self._open_keys: dict[str, str] = {}
+        """Engine key -> id of the open incident this node's engine raised."""
         self.step_hist = StepHistogram()
         self._exits_offset = 0
         self._hardware: list = []
@@ -98,7 +100,8 @@ class Sidecar:
         self.responder: Responder | None = None
         if respond:
             self.responder = Responder(self.config.actions, ResponderContext(
-                job=self.dir, segment=self.segment, node=self.node, run=run, incidents=lambda: list(self.incidents),
+                job=self.dir, segment=self.segment, node=self.node, run=run, incidents=lambda: list(self.open.values()),
+                thresholds=self.thresholds_in_force,
                 add_timings=self.recovery.add_timings, out=self.out, tracer=tracer))
         # ~1 sample/s of every rank for `trainwatch report`; bounded in size.
         self.history = HistoryWriter(self.dir.history_file(self.node), clock=clock)
@@ -129,7 +132,7 @@ class Sidecar:
         table = self.segment.read_table(previous=self._full_table)
         self._full_table = table
         self._reads += 1
-        self.segment.acknowledge_read(self._reads)
+        self.segment.acknowledge_read(table)
         alive = table["pid"] > 0
         live = table if alive.all() else table[alive]  # every slot written: no second copy
         self.last_table = live
@@ -138,7 +141,7 @@ class Sidecar:
         if len(live):
             restart = self.recovery.observe(live)
             if restart is not None:
-                self.emit(restart)
+                self.record_recovery(restart)
         return live
 
     def rows(self) -> list:
@@ -156,42 +159,21 @@ class Sidecar:
         self.snapshot_job()()
 
     def snapshot_job(self) -> Callable[[], None]:
-        """What telemetry.json will say, captured now from the tick's state; the
-        job returned decodes the ranks and writes the file, on any thread."""
-        table, nodes, now = self.last_table, list(self.last_nodes), self.clock()
-        record: dict[str, Any] = {"node": self.node, "time": time.time(), "ranks": [],
-                                  "hang_thresholds": self.thresholds.describe()}
-        gpus = next((h.snapshot() for h in self._hardware if hasattr(h, "snapshot")), None)
-        if gpus is not None:
-            record["gpus"] = gpus  # per-GPU utilisation and memory for `diagnose`
-        self.thresholds.maybe_save()  # a few phases, at most every 30 s: beside the detector state it reads
-        jobwide = self.jobwide if self.jobwide is not None and not self.jobwide.store_failed else None
-        path = self.dir.telemetry_file
+        return snapshot_job(self)
 
-        def write() -> None:
-            if table is not None:
-                record["ranks"] = rankrow.rows_json(rankrow.decode(table, now, nodes))
-            if jobwide is not None:
-                try:
-                    record["job_ranks"] = jobwide.job_rows()
-                except Exception:  # the store is gone: this node's ranks still count
-                    pass
-            state.write_json_atomic(path, record, durable=False)
-
-        return write
-
-    def submit_writes(self, writer: BackgroundWriter, *, snapshot: bool, force: bool = False) -> None:
-        """Hand the history sample (when due) and the snapshot (when asked) to the
-        writer thread, with what they need captured now: the tick's table is
-        never written to again (every read makes a new one)."""
-        self.history.interval_s = writer.spacing("history", SAMPLE_INTERVAL_S)
-        now = self.history.claim(force=force)
-        if now is not None:
-            table, nodes, ratios = self.last_table, list(self.last_nodes), self.straggler_ratios()
-            rows = (lambda: rankrow.decode(table, now, nodes)) if table is not None else list
-            writer.submit("history", lambda: self.history.sample(rows, lambda: ratios, now))
-        if snapshot:
-            writer.submit("snapshot", self.snapshot_job())
+    def thresholds_in_force(self) -> dict:
+        """The hang thresholds the detector holds now (floor, k and each rank's
+        step-time threshold), so `diagnose` judges with the same numbers."""
+        det = self.engine.detector("hang")
+        if det is None and self.jobwide is not None and self.jobwide.aggregator is not None:
+            det = self.jobwide.aggregator.engine.detector("hang")
+        table = self.last_table
+        if det is None or table is None or not hasattr(det, "thresholds_in_force"):
+            return {}
+        try:  # the responder's thread asks too: a round that races the tick's growth says nothing
+            return {"hang": det.thresholds_in_force(table["rank"])}
+        except (IndexError, ValueError):
+            return {}
 
     def read_exits(self) -> list[RankExit]:
         """Rank exits the agent reported since the last read (control/exits.jsonl)."""
@@ -218,25 +200,64 @@ class Sidecar:
         table = self.read()
         view = TickView(now=self.clock(), table=table, nodes=self.last_nodes, proc_state=procctl.process_state,
                         exits=self.read_exits())
-        new = list(self.engine.tick(view))
-        for source in self._hardware:
-            new.extend(source.poll_incidents(self))
+        # Hardware faults (NVML, kernel log) go through the engine too: one
+        # lifecycle for every incident, whatever saw it.
+        extra = [i for source in self._hardware for i in source.poll_incidents(self)]
+        new = list(self.engine.tick(view, extra=extra))
         for incident in new:
             self.emit(incident)
+        for res in self.engine.take_resolved():
+            self.resolve(self._open_keys.pop(res.incident.key, None), res.duration_s, res.count, res.reason)
         if self.jobwide is not None:
             self.jobwide.round(bool(new))
         return new
 
+    def record_recovery(self, restart: Incident) -> dict:
+        """A restarted worker group is back to training: an action of the incident
+        it restarted for (not an incident of its own), recorded and said once."""
+        record = restart.to_json()
+        record.update(id=f"{self.node}-{os.getpid()}-restart-{restart.evidence.get('restart')}", node=self.node,
+                      job=self.job)
+        cause = restart.evidence.get("cause_id")
+        if cause:
+            record["incident"] = cause
+        self.dir.append_event(record)
+        self.incidents.append(record)
+        about = f" after {restart.evidence.get('cause')} {cause}" if cause else ""
+        print(f"[trainwatch] RECOVERED{about}: {record.get('summary', '')}", file=self.out, flush=True)
+        return record
+
+    def resolve(self, incident_id: str | None, duration_s: float, count: int, reason: str) -> None:
+        """An open incident is over: recorded (a `resolved` record naming it) and said."""
+        record = self.open.pop(incident_id, None) if incident_id else None
+        if record is None:
+            return
+        self.dir.append_event({"kind": "resolved", "incident": incident_id, "time": time.time(),
+                               "duration_s": round(duration_s, 3), "count": count, "reason": reason})
+        print(f"[trainwatch] RESOLVED {record.get('kind')} {incident_id} after {duration_s:.1f}s ({reason})",
+              file=self.out, flush=True)
+
+    def open_incidents(self) -> list[dict]:
+        """Open incidents this node counts (for trainwatch_incident_open): a job
+        incident is counted by the aggregator's node alone, so it pages once."""
+        counted = self.jobwide is None or self.jobwide.aggregator is not None
+        return [r for r in self.open.values() if counted or r.get("scope") != "job"]
+
     def emit(self, incident: Incident | dict) -> dict:
         """Record, print and hand on an incident, at once: the response follows."""
         record = incident.to_json() if isinstance(incident, Incident) else dict(incident)
+        if record.get("kind") == "resolved":  # a job incident the aggregator saw end
+            self.resolve(str(record.get("incident")), float(record.get("duration_s") or 0.0),
+                         int(record.get("count") or 1), str(record.get("reason") or "resolved"))
+            return record
         self._incident_seq += 1
         record.setdefault("id", f"{self.node}-{os.getpid()}-{self._incident_seq}")
+        record.setdefault("opened_time", time.time())
         record.setdefault("node", self.node)
         record.setdefault("job", self.job)
         table = self.last_table
         generation = int(table["restart"].max()) if table is not None and len(table) else 0
-        restart, why = self.gate.decide(record, _step_of(record, table), generation)
+        restart, why = self.gate.decide(record, incident_step(record, table), generation)
         if restart or why:
             record["restart"] = {"requested": restart} | ({"why": why} if why else {})
         if restart or (record.get("kind") == "crash" and not self.recovery.has_fault()):
@@ -247,13 +268,16 @@ class Sidecar:
         # counters fire once per job, not once per node that took it.
         if record.get("scope") != "job" or self.jobwide is None or self.jobwide.aggregator is not None:
             self.incident_counts[kind] = self.incident_counts.get(kind, 0) + 1
+        self.open[record["id"]] = record
+        if isinstance(incident, Incident):
+            self._open_keys[incident.key] = record["id"]
         self.incidents.append(record)
         culprits = ",".join(str(r) for r in record.get("culprit_ranks") or []) or "-"
         if record.get("scope") == "job" and record.get("nodes"):
             culprits += f" on node {','.join(map(str, record['nodes']))}"
         print(f"[trainwatch] INCIDENT {kind} culprit rank(s) {culprits}: {record.get('summary', '')}"
-              + (f" (runbook: trainwatch runbook {record['runbook']})" if record.get("runbook") else ""),
-              file=self.out, flush=True)
+              + (f" (runbook: trainwatch runbook {record['runbook']})" if record.get("runbook") else "")
+              + f" [{record['id']}]", file=self.out, flush=True)
         if why:
             print(f"[trainwatch] {why}", file=self.out, flush=True)
         span = self.tracer.start(record) if self.tracer is not None else None
@@ -281,7 +305,7 @@ class Sidecar:
                 self.tick_started(time.monotonic())
                 self.tick()
                 due = time.monotonic() - last_snapshot >= writer.spacing("snapshot", self.config.snapshot_s)
-                self.submit_writes(writer, snapshot=due)
+                submit_writes(self, writer, snapshot=due)
                 if due:
                     last_snapshot = time.monotonic()
             except Exception:
@@ -294,7 +318,13 @@ class Sidecar:
             stop.wait(delay)
         try:  # one last round (exits reported as the job ended), then the final state
             self.tick()
-            self.submit_writes(writer, snapshot=True, force=True)
+            for incident_id, record in list(self.open.items()):
+                if record.get("scope") == "job" and (self.jobwide is None or self.jobwide.aggregator is None):
+                    continue  # the aggregator's node closes job incidents
+                opened = record.get("opened_time")
+                self.resolve(incident_id, time.time() - opened if isinstance(opened, (int, float)) else 0.0,
+                             1, "the job ended")
+            submit_writes(self, writer, snapshot=True, force=True)
             if not writer.close():
                 log.warning("trainwatch sidecar: the final snapshot was still being written when it stopped")
             self.thresholds.maybe_save(force=True)
@@ -338,20 +368,6 @@ def _rank_exit(line: bytes, node: str, run: str = "") -> RankExit | None:
                     node=e["node"] if isinstance(e.get("node"), str) else node, first=e.get("first") is True)
 
 
-def _step_of(record: dict, table) -> int | None:
-    """The step an incident happened at: its evidence's, else its culprits' lowest."""
-    step = (record.get("evidence") or {}).get("step")
-    if isinstance(step, int):
-        return step
-    culprits = record.get("culprit_ranks") or []
-    if table is None or not len(table) or not culprits:
-        return None
-    rows = table[np.isin(table["rank"], culprits)]
-    return int(rows["step"].min()) if len(rows) else None
-
-
-
-
 def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:
     server = serve_metrics(TrainwatchCollector(sidecar), host, port)
     return f"{host}:{server.server_port}"
@@ -360,12 +376,7 @@ def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:
 def add_hardware_monitor(sidecar: Sidecar) -> None:
     """NVML and the kernel log; injected Xid/ECC faults come in as a fake GPU."""
     try:
-        injected = None
-        if sidecar.config.faults:
-            injected = InjectedHardwareFaults(sidecar.config.faults, nproc=sidecar.segment.nslots,
-                                              kernel_log_path=sidecar.config.kernel_log)
-        sidecar.add_hardware(HardwareMonitor(nproc=sidecar.segment.nslots, kernel_log_path=sidecar.config.kernel_log,
-                                             injected=injected))
+        sidecar.add_hardware(HardwareMonitor.for_job(sidecar.config, sidecar.segment.nslots))
     except Exception:  # hardware checks are an extra; never let them stop the watchdog
         log.exception("trainwatch: hardware checks off")
 

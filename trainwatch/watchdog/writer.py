@@ -22,7 +22,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
+
+from trainwatch import rankrow, state
+from trainwatch.watchdog.history import SAMPLE_INTERVAL_S
 
 log = logging.getLogger("trainwatch.sidecar")
 
@@ -108,3 +111,46 @@ class BackgroundWriter:
                     self._running = None
                     self.done += 1
                     self._cond.notify_all()
+
+
+# ---- what the sidecar writes ------------------------------------------------------------
+
+
+def snapshot_job(sc: Any) -> Callable[[], None]:
+    """What the sidecar's telemetry.json will say, captured now from its tick's
+    state; the job returned decodes the ranks and writes the file, on any thread."""
+    table, nodes, now = sc.last_table, list(sc.last_nodes), sc.clock()
+    record: dict[str, Any] = {"node": sc.node, "time": time.time(), "ranks": [],
+                              "hang_thresholds": sc.thresholds.describe(), "thresholds": sc.thresholds_in_force()}
+    gpus = next((h.snapshot() for h in sc._hardware if hasattr(h, "snapshot")), None)
+    if gpus is not None:
+        record["gpus"] = gpus  # per-GPU utilisation and memory for `diagnose`
+    sc.thresholds.maybe_save()  # a few phases, at most every 30 s: beside the detector state it reads
+    jobwide = sc.jobwide if sc.jobwide is not None and not sc.jobwide.store_failed else None
+    path = sc.dir.telemetry_file
+
+    def write() -> None:
+        if table is not None:
+            record["ranks"] = rankrow.rows_json(rankrow.decode(table, now, nodes))
+        if jobwide is not None:
+            try:
+                record["job_ranks"] = jobwide.job_rows()
+            except Exception:  # the store is gone: this node's ranks still count
+                pass
+        state.write_json_atomic(path, record, durable=False)
+
+    return write
+
+
+def submit_writes(sc: Any, writer: BackgroundWriter, *, snapshot: bool, force: bool = False) -> None:
+    """Hand the sidecar's history sample (when due) and snapshot (when asked) to
+    the writer thread, with what they need captured now: the tick's table is
+    never written to again (every read makes a new one)."""
+    sc.history.interval_s = writer.spacing("history", SAMPLE_INTERVAL_S)
+    now = sc.history.claim(force=force)
+    if now is not None:
+        table, nodes, ratios = sc.last_table, list(sc.last_nodes), sc.straggler_ratios()
+        rows = (lambda: rankrow.decode(table, now, nodes)) if table is not None else list
+        writer.submit("history", lambda: sc.history.sample(rows, lambda: ratios, now))
+    if snapshot:
+        writer.submit("snapshot", sc.snapshot_job())

@@ -227,6 +227,17 @@ class HangDetector(Detector):
         ctx = _Context(view, age, limit, involved, hb_age, hb_stale, blame(facts), learnt)
         return [self._incident(ctx)]
 
+    def thresholds_in_force(self, ranks: np.ndarray) -> dict:
+        """The step-time hang threshold of each of `ranks` as the detector holds
+        it now (max(floor, k x p99), the floor while a rank has no history),
+        for `diagnose` to judge with the same numbers (telemetry.json)."""
+        cfg = self.config
+        ranks = np.asarray(ranks, dtype=np.int64)
+        ranks = ranks[(ranks >= 0) & (ranks < len(self._p99))]
+        base = np.fmax(cfg.floor_s, cfg.k * self._p99_of(ranks)) if len(ranks) else np.zeros(0)
+        return {"floor_s": cfg.floor_s, "k": cfg.k,
+                "ranks": {str(int(r)): round(float(b), 3) for r, b in zip(ranks, base)}}
+
     def _p99_of(self, ranks: np.ndarray) -> np.ndarray:
         need = ranks[~self._p99_fresh[ranks]]
         if len(need):

@@ -1,0 +1,105 @@
+"""Every incident kind, declared once: what it is called, how bad it is, which
+runbook it points to, what trainwatch does about it, what it explains away,
+and when it is over.
+
+The engine (mutes and resolution), the responder (capture, restart), the
+exporter (series that start at 0), the job-wide aggregator (job-scope kinds),
+`diagnose`'s verdict (runbooks, alert-only kinds) and the alert rules' tests
+all read this table: adding a kind is one entry here and the detector that
+raises it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Response(enum.Enum):
+    """What the sidecar does about an incident of a kind, beyond recording it."""
+
+    ALERT = "alert"
+    """Say it, record it, export it; the job keeps running."""
+    CAPTURE = "capture"
+    """Also capture every rank's stacks and give a verdict (no restart)."""
+    RESTART = "restart"
+    """Capture where it helps, emergency checkpoint, restart the worker group."""
+
+
+class Resolution(enum.Enum):
+    """When an open incident is over."""
+
+    PROGRESS = "progress"
+    """A fault that stops training (a hang, a crash, a lost node): over once the
+    condition is no longer reported and the ranks it named made progress (a
+    later step, or new processes after a restart)."""
+    ABSENCE = "absence"
+    """A condition of a job that keeps training (a straggler, a NaN streak):
+    over once it has not been reported for the engine's hold time. The ranks
+    stepping on is not the end of it."""
+
+
+@dataclass(frozen=True, slots=True)
+class KindSpec:
+    """One incident kind."""
+
+    name: str
+    """The incident's `kind` (events.jsonl, metrics' `kind` label)."""
+    severity: str
+    """Its usual severity (info, low, medium, high, critical); a detector may say more or less for one incident."""
+    runbook: str
+    """Runbook id (`trainwatch runbook ID`)."""
+    response: Response
+    """What the sidecar does about it."""
+    resolution: Resolution
+    """When an open incident of this kind is over."""
+    mutes: frozenset = frozenset()
+    """Kinds this one explains until training progresses again (one fault, one incident)."""
+    capture: bool = False
+    """Capture every rank's stacks and give a verdict when it opens."""
+    job_scope: bool = False
+    """Raised once for the whole job by the aggregator of a multi-node job."""
+
+
+_P, _A = Resolution.PROGRESS, Resolution.ABSENCE
+KINDS: dict[str, KindSpec] = {k.name: k for k in (
+    KindSpec("crash", "critical", "crash", Response.RESTART, _P, mutes=frozenset({"hang", "collective_mismatch"})),
+    KindSpec("collective_mismatch", "high", "collective-mismatch", Response.RESTART, _P, mutes=frozenset({"hang"}),
+             capture=True, job_scope=True),
+    # A rank stuck outside its collectives leaves its peers parked at other
+    # operations: that is the same stall, not a second fault.
+    KindSpec("hang", "high", "hang", Response.RESTART, _P, mutes=frozenset({"collective_mismatch"}), capture=True,
+             job_scope=True),
+    KindSpec("node_lost", "critical", "node-lost", Response.RESTART, _P, job_scope=True),
+    KindSpec("xid", "high", "gpu-xid", Response.RESTART, _P),
+    KindSpec("ecc", "critical", "gpu-ecc", Response.RESTART, _P),
+    KindSpec("straggler", "medium", "straggler", Response.ALERT, _A, job_scope=True),
+    KindSpec("loss_nan", "critical", "loss-nan", Response.ALERT, _A),
+    KindSpec("loss_spike", "medium", "loss-spike", Response.ALERT, _A),
+    KindSpec("grad_explosion", "high", "grad-explosion", Response.ALERT, _A),
+    KindSpec("dead_grad", "high", "dead-grad", Response.ALERT, _A),
+    KindSpec("vanishing_grad", "medium", "vanishing-grad", Response.ALERT, _A),
+    KindSpec("lr_stuck", "medium", "lr-stuck", Response.ALERT, _A),
+    KindSpec("loss_scale_collapse", "medium", "loss-scale-collapse", Response.ALERT, _A),
+    KindSpec("loss_trend", "medium", "loss-trend", Response.ALERT, _A),
+    KindSpec("step_time_spike", "medium", "step-time-spike", Response.ALERT, _A),
+)}
+"""Every incident kind. Order: causes before their consequences (a crash
+before the hang it causes), so the engine mutes what a cause explains."""
+
+MUTES = {k.name: k.mutes for k in KINDS.values() if k.mutes}
+"""Kind -> the kinds an open incident of it explains."""
+CAPTURE_KINDS = frozenset(k.name for k in KINDS.values() if k.capture)
+RESTART_KINDS = frozenset(k.name for k in KINDS.values() if k.response is Response.RESTART)
+ALERT_ONLY_KINDS = tuple(k.name for k in KINDS.values() if k.response is Response.ALERT)
+JOB_SCOPE_KINDS = tuple(k.name for k in KINDS.values() if k.job_scope)
+
+
+def spec(kind: str) -> KindSpec | None:
+    """The declaration of `kind`; None for a record that is not an incident (a restart, an action)."""
+    return KINDS.get(kind)
+
+
+def runbook_of(kind: str, default: str = "hang") -> str:
+    k = KINDS.get(kind)
+    return k.runbook if k is not None else default
