@@ -69,8 +69,8 @@ def test_step_is_per_rank_and_increases(live_job):
     assert step.type == "gauge"
     assert len(step.samples) == 2
     for sample in step.samples:
-        assert set(sample.labels) == {"job", "node", "rank"}
-        assert sample.labels["job"] == JOB and sample.labels["node"] == live_job["node"]
+        assert set(sample.labels) == {"trainwatch_job", "node", "rank"}  # `job` is Prometheus' own
+        assert sample.labels["trainwatch_job"] == JOB and sample.labels["node"] == live_job["node"]
     before = per_rank(step)
     scrape_until(
         address,
@@ -132,8 +132,8 @@ def test_incident_and_restart_counters_are_exported(live_job):
     assert incidents.type == "counter"
     # No incident in a healthy run, so the family may have no sample yet;
     # any sample present is labelled by kind.
-    assert all({"job", "node", "kind"} <= set(s.labels) for s in incidents.samples)
+    assert all({"trainwatch_job", "node", "kind"} <= set(s.labels) for s in incidents.samples)
     restarts = families["trainwatch_restarts"]
     assert restarts.type == "counter"
     totals = [s for s in restarts.samples if s.name == "trainwatch_restarts_total"]
-    assert [(s.labels["job"], s.value) for s in totals] == [(JOB, 0.0)]
+    assert [(s.labels["trainwatch_job"], s.value) for s in totals] == [(JOB, 0.0)]

@@ -86,8 +86,8 @@ def test_hang_is_one_incident_with_outputs(job):
     registry = CollectorRegistry()
     registry.register(TrainwatchCollector(sc))
     text = generate_latest(registry).decode()
-    assert 'trainwatch_incidents_total{job="sc",kind="hang",node="n0"} 1.0' in text
-    assert 'trainwatch_step{job="sc",node="n0",rank="2"} 29.0' in text
+    assert 'trainwatch_incidents_total{kind="hang",node="n0",trainwatch_job="sc"} 1.0' in text
+    assert 'trainwatch_step{node="n0",rank="2",trainwatch_job="sc"} 29.0' in text
     assert "trainwatch_step_duration_seconds_bucket" in text
 
 

@@ -39,6 +39,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from trainwatch import kinds, rankrow, slots
 from trainwatch.capture import capture_ranks
 from trainwatch.jobstore import JobStore
+from trainwatch.watchdog import aggregates
+from trainwatch.watchdog.aggregates import JOB_LABEL
 from trainwatch.watchdog.detectors.base import TickView
 from trainwatch.watchdog.engine import DetectorEngine
 from trainwatch.watchdog.incident import Incident
@@ -325,11 +327,16 @@ class JobWideNode:
         }
         job = self.sidecar.job
         for name, (doc, value) in values.items():
-            g = GaugeMetricFamily(name, doc, labels=["job"])
+            g = GaugeMetricFamily(name, doc, labels=[JOB_LABEL])
             g.add_metric([job], float(value))
             yield g
-        c = CounterMetricFamily("trainwatch_job_incidents", "Job-wide incidents, by kind.", labels=["job", "kind"])
-        # The job-scope kinds start at 0, so increase() counts the first one too.
-        for kind, n in sorted((dict.fromkeys(JOB_INCIDENT_KINDS, 0) | self.incident_counts).items()):
+        c = CounterMetricFamily("trainwatch_job_incidents", "Job-wide incidents, by kind.", labels=[JOB_LABEL, "kind"])
+        for kind, n in sorted(self.incident_counts.items()):
             c.add_metric([job, kind], float(n))
         yield c
+        # The job's aggregates, bounded by the signals whatever the number of ranks.
+        rows = rankrow.decode(table, self.sidecar.clock(), _labels)
+        det = self.aggregator.engine.detector("straggler")
+        ratios = det.current_ratios() if det is not None else {}
+        yield from aggregates.stat_families("job", {JOB_LABEL: job}, aggregates.signal_values(rows, ratios, {}))
+        yield from aggregates.collective_families("job", {JOB_LABEL: job}, rows)

@@ -29,6 +29,7 @@ from trainwatch.watchdog.config import SidecarConfig
 from trainwatch.watchdog.detectors import default_detectors
 from trainwatch.watchdog.detectors.base import RankExit, TickView
 from trainwatch.watchdog.engine import DetectorEngine
+from trainwatch.watchdog.aggregates import PhaseClock
 from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, serve_metrics
 from trainwatch.watchdog.hardware import HardwareMonitor
 from trainwatch.watchdog.history import HistoryWriter
@@ -83,6 +84,7 @@ class Sidecar:
         self._open_keys: dict[str, str] = {}
         """Engine key -> id of the open incident this node's engine raised."""
         self.step_hist = StepHistogram()
+        self.phase_clock = PhaseClock()
         self._exits_offset = 0
         self._hardware: list = []
         detectors = detectors if detectors is not None else default_detectors(self.config.detectors)
@@ -138,6 +140,7 @@ class Sidecar:
         self.last_table = live
         self.last_nodes = [self.node] * len(live)
         self.step_hist.observe(live)
+        self.phase_clock.observe(live, self.clock())
         if len(live):
             restart = self.recovery.observe(live)
             if restart is not None:
