@@ -223,7 +223,11 @@ def main() -> None:
         log(f"diagnose of a finished 4096-rank job: {out['diagnose_s']['finished_4096']} s")
         out["diagnose_s"]["live_16"] = round(diagnose_live(16), 3)
         log(f"diagnose of a live 16-rank job: {out['diagnose_s']['live_16']} s")
-        out["series_per_default_panel_max"] = series_per_default_panel_max(tmp)
+        counts = panel_series(4096, tmp)
+        empty = sorted(k for k, n in counts.items() if n == 0)
+        out["series_per_default_panel_max"] = max(counts.values())
+        log(f"series per default panel at 4096 ranks: max {max(counts.values())} "
+            f"({max(counts, key=counts.get)}); {len(counts)} panels, no data: {empty}")
     finally:
         for leftover in tmp.iterdir():
             leftover.unlink()
@@ -231,8 +235,94 @@ def main() -> None:
     print(json.dumps(out))
 
 
-def series_per_default_panel_max(tmp: Path):
-    return None
+def panel_series(ranks: int, tmp: Path, seconds: float = 45.0) -> dict[str, int]:
+    """Series each default panel's PromQL returns (All jobs, nodes, ranks, GPUs)
+    from a real Prometheus scraping `ranks` simulated ranks: one real sidecar
+    and exporter per node of 8 (a shared fake GPU monitor playing each node's 8
+    GPUs), the first node the job-wide aggregator, every node behind its own
+    /metrics path of one HTTP server."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import requests
+    from prometheus_client import CollectorRegistry, generate_latest
+    from torch.distributed import HashStore
+
+    from trainwatch import dashboards, netbind
+    from trainwatch.inject.hardware import InjectedHardwareFaults
+    from trainwatch.jobstore import JobStore
+    from trainwatch.watchdog.exporter import TrainwatchCollector
+    from trainwatch.watchdog.hardware import HardwareMonitor
+    from util import prometheus_server
+
+    job, store = "fleet", HashStore()
+    gpus = HardwareMonitor(nproc=RANKS_PER_NODE, kernel_log_path=None,
+                           injected=InjectedHardwareFaults([], nproc=RANKS_PER_NODE, kernel_log_path=None))
+    nodes, registries = [], []
+    for i in range(ranks // RANKS_PER_NODE):
+        jobstore = JobStore("", job, store=store)
+        jobstore.register(f"n{i}")
+        node = SimulatedNode(job, f"n{i}", RANKS_PER_NODE, i * RANKS_PER_NODE, tmp, jobstore=jobstore,
+                             aggregate=i == 0)
+        node.sidecar.add_hardware(gpus)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(TrainwatchCollector(node.sidecar))
+        nodes.append(node)
+        registries.append(registry)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # /n<i>/metrics
+            body = generate_latest(registries[int(self.path.split("/")[1][1:])])
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", netbind.free_port()), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cfg_dir = tmp.parent / f"{tmp.name}-prometheus"
+    cfg_dir.mkdir()
+    targets = cfg_dir / "targets.json"
+    targets.write_text(json.dumps([{"targets": [f"127.0.0.1:{server.server_port}"],
+                                    "labels": {"__metrics_path__": f"/n{i}/metrics"}} for i in range(len(nodes))]))
+    config = {"global": {"scrape_interval": "5s", "scrape_timeout": "5s"},
+              "scrape_configs": [{"job_name": "trainwatch", "file_sd_configs": [{"files": [str(targets)]}]}]}
+    counts: dict[str, int] = {}
+    try:
+        with prometheus_server(cfg_dir, json.dumps(config)) as url:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:  # the ranks step, the sidecars read and aggregate
+                for node in nodes:
+                    node.advance()
+                    node.sidecar.tick()
+                time.sleep(1.0)
+            values = {"job": ".*", "node": ".*", "rank": ".*", "gpu": ".*", "__rate_interval": "30s",
+                      "__range": "5m", "__interval": "5s"}
+            for name, text in dashboards.rendered().items():
+                if not name.endswith(".json"):
+                    continue
+                for panel in json.loads(text)["panels"]:
+                    for target in panel.get("targets", []):
+                        expr = target["expr"]
+                        for var, value in values.items():
+                            expr = expr.replace("${" + var + "}", value).replace("$" + var, value)
+                        r = requests.get(f"{url}/api/v1/query", params={"query": expr}, timeout=120).json()
+                        if r["status"] != "success":
+                            raise RuntimeError(f"{panel['title']}: {r.get('error')}")
+                        key = f"{name}: {panel['title']}"
+                        counts[key] = counts.get(key, 0) + len(r["data"]["result"])
+    finally:
+        server.shutdown()
+        gpus.close()
+        for node in nodes:
+            node.segment.close()
+            os.unlink(node.path)
+        import shutil
+
+        shutil.rmtree(cfg_dir, ignore_errors=True)
+    return counts
 
 
 if __name__ == "__main__":

@@ -163,7 +163,10 @@ def test_every_reference_resolves_and_every_query_filters():
             assert expr and target["datasource"]["uid"] == "${datasource}", where
             # Every selector filters by job and node; the per-rank series (and the GPUs) by rank too.
             for metric, matchers in re.findall(r"(trainwatch_\w+)\{([^}]*)\}", expr):
-                assert 'trainwatch_job=~"$job"' in matchers and 'node=~"$node"' in matchers, (where, metric)
+                assert 'trainwatch_job=~"$job"' in matchers, (where, metric)
+                if metric.startswith("trainwatch_job_"):
+                    continue  # a job aggregate: one set of series per job, no node or rank
+                assert 'node=~"$node"' in matchers, (where, metric)
                 if metric in PER_RANK or metric.startswith("trainwatch_gpu_"):
                     assert 'rank=~"$rank"' in matchers, (where, metric)
                 else:
@@ -215,7 +218,8 @@ def test_default_panels_draw_a_bounded_number_of_lines():
     aggregation by job (or job and a small label), a topk/bottomk, or a count."""
     bounded = re.compile(r"^(histogram_quantile\([\d.]+, )?\(?(topk|bottomk)\(\d+,"
                          r"|^(histogram_quantile\([\d.]+, )?\(?(sum|min|max|count|quantile) by \(trainwatch_job(, (le|kind|pg|phase|reason))?\)"
-                         r"|^count\(count by \(pg\)|^max\(max by \(trainwatch_job, pg\)|^max\(trainwatch_node_")
+                         r"|^count\(count by \(pg\)|^max\(max by \(trainwatch_job, pg\)|^max\(trainwatch_node_"
+                         r"|^trainwatch_job_")
     for name, dash in committed().items():
         for panel in panels(dash):
             for target in panel["targets"]:

@@ -44,6 +44,8 @@ from trainwatch.dashboards.panels import (
 # Shared expressions.
 BUCKETS = f"trainwatch_step_duration_seconds_bucket{{{NODE}}}"
 JOB_LEGEND = "{{trainwatch_job}}"
+JOB = 'trainwatch_job=~"$job"'
+"""Job aggregates (trainwatch_job_*) have one series set per job: no node to filter by."""
 def _incidents(kinds: str | None = None) -> str:
     kind = f',kind=~"{kinds}"' if kinds else ""
     return f"trainwatch_incidents_total{{{NODE}{kind}}}"
@@ -228,8 +230,11 @@ def ranks_dashboard() -> dm.Dashboard:
         .with_row(db.Row("Slowdown"))
         .with_panel(graph(
             "Straggler slowdown ratio",
-            f"Rank compute time over the group median (1.0 = typical): the job's spread and its {WORST} slowest ranks. Above the dashed {STRAGGLER_RATIO} line for minutes: a straggler; see the straggler runbook.",
-            band("straggler_slowdown_ratio") + [worst_ranks("straggler_slowdown_ratio")],
+            f"Rank compute time over the group median (1.0 = typical): the job's spread (min, median, p99, max) and its {WORST} slowest ranks. Above the dashed {STRAGGLER_RATIO} line for minutes: a straggler; see the straggler runbook.",
+            # The straggler detector runs once per job (on the aggregator in a
+            # multi-node job): its spread is a job aggregate.
+            [query(f'trainwatch_job_straggler_slowdown_ratio{{{JOB}}}', "{{trainwatch_job}} {{stat}}"),
+             worst_ranks("straggler_slowdown_ratio")],
             threshold=STRAGGLER_RATIO, minimum=0,
         ))
         .with_panel(graph(
@@ -283,7 +288,7 @@ def collectives_dashboard() -> dm.Dashboard:
         .with_panel(single("Largest skew", "Largest gap in completed collectives between ranks of one group. A few is normal jitter; a gap that grows is a desync or a stuck rank.",
                            [query(f"max(max by (trainwatch_job, pg) ({completed_max}) - min by (trainwatch_job, pg) ({completed_min}))")], span=6, red_at=10))
         .with_panel(single("Largest in-flight lag", "Most collectives a node's ranks have launched but not completed. It stays up on a rank stuck inside a collective.",
-                           [query(f"max({enqueued_max} - ignoring(state) {completed_min})")], span=6, red_at=5))
+                           [query(f"max({enqueued_max} - ignoring(state, stat) {completed_min})")], span=6, red_at=5))
         .with_panel(single("Mismatch incidents in range", "Collective mismatch incidents: ranks of a group disagree on which collective comes next (like NCCL RAS). See the collective-mismatch runbook.",
                            [query(events(_incidents("collective_mismatch"), "$__range", "trainwatch_job", zero=True), JOB_LEGEND)], span=6, red_at=1, decimals=0))
         .with_row(db.Row("Sequence numbers"))
@@ -319,7 +324,7 @@ def collectives_dashboard() -> dm.Dashboard:
         .with_panel(graph(
             "In-flight collectives (enqueued - completed)",
             "Collectives launched but not finished, per node and group, the 10 highest. A lag that stays up is a rank stuck in a collective, usually waiting for a peer that never joined.",
-            [query(f"topk(10, {enqueued_max} - ignoring(state) {completed_min})", NODE_LEGEND + " pg {{pg}}")],
+            [query(f"topk(10, {enqueued_max} - ignoring(state, stat) {completed_min})", NODE_LEGEND + " pg {{pg}}")],
             minimum=0,
         ))
         .with_panel(grid(
@@ -378,8 +383,8 @@ def gpu_dashboard() -> dm.Dashboard:
         .with_panel(graph(
             "Xid and ECC counters",
             "Cumulative error counters of the 10 GPUs with the most; a step is a new error. Corrected ECC errors that keep climbing are worth a ticket.",
-            [query(f"topk(10, sum by (trainwatch_job, node, gpu) ({xid}) > 0)", GPU_LEGEND + " xid"),
-             query(f"topk(10, {ecc} > 0)", GPU_LEGEND + " ecc {{type}}")],
+            [query(f"topk(10, sum by (trainwatch_job, node, gpu) ({xid}))", GPU_LEGEND + " xid"),
+             query(f"topk(10, {ecc})", GPU_LEGEND + " ecc {{type}}")],
             stepped=True, minimum=0,
         ))
         .with_panel(graph(
