@@ -6,7 +6,6 @@ slot table into metric families, so a job that is never scraped pays nothing.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import Iterator, Protocol
