@@ -485,8 +485,12 @@ class _Source:
         from trainwatch.watchdog.exporter import StepHistogram
 
         self.table, self.engine = table, engine
+        self.last_table = table
         self.step_hist = StepHistogram()
         self.incident_counts = {"lr_stuck": 1}
+
+    def clock(self):
+        return 0.0
 
     def rows(self):
         from trainwatch import rankrow

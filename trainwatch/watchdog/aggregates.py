@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainwatch import slots
+from trainwatch import rankrow, slots
 from trainwatch.rankrow import RankRow
 
 JOB_LABEL = "trainwatch_job"
@@ -72,26 +72,57 @@ RANK_SIGNALS = ("step", "last_progress_age", "step_time", "loss", "straggler_rat
 """The per-rank drill-down series (`--metrics-detail rank`)."""
 
 
-def signal_values(rows: list[RankRow], ratios: dict[int, float], slopes: dict[int, float]) -> dict[str, tuple]:
-    """signal name -> (ranks, values) over the rows, finite values only."""
-    picks = {
-        "step": lambda r: float(r.step),
-        "last_progress_age": lambda r: r.last_progress_s,
-        "step_time": lambda r: r.step_s if r.step >= 1 else None,
-        "loss": lambda r: r.loss,
-        "straggler_ratio": lambda r: ratios.get(r.rank),
-        "grad_norm": lambda r: r.grad_norm,
-        "heartbeat_age": lambda r: r.heartbeat_age_s,
-        "learning_rate": lambda r: r.lr,
-        "loss_scale": lambda r: r.loss_scale,
-        "zero_grad_fraction": lambda r: r.zero_grad_frac,
-        "loss_trend_slope": lambda r: slopes.get(r.rank),
+def table_values(table, now: float, ratios: dict[int, float], slopes: dict[int, float]) -> dict[str, tuple]:
+    """signal name -> (ranks, finite values), straight from a slot table's
+    columns: the job-wide aggregator computes them at every scrape over
+    thousands of ranks, so no row is decoded."""
+    live = table[table["pid"] > 0] if len(table) else table
+    ranks = live["rank"].astype(np.int64)
+    step = live["step"]
+
+    def pairs(values, keep=None):
+        values = np.asarray(values, dtype=float)
+        ok = np.isfinite(values) if keep is None else np.isfinite(values) & keep
+        return ranks[ok], values[ok]
+
+    def mapped(d: dict[int, float]):
+        return pairs(np.array([d.get(int(r), np.nan) for r in ranks.tolist()]) if d else np.full(len(ranks), np.nan))
+
+    heartbeat = live["heartbeat_mono"]
+    return {
+        "step": pairs(step),
+        "last_progress_age": pairs(np.maximum(0.0, now - rankrow.progress_mono(live))),
+        "step_time": pairs(live["step_s"], step >= 1),
+        "loss": pairs(live["loss"]),
+        "straggler_ratio": mapped(ratios),
+        "grad_norm": pairs(live["grad_norm"]),
+        "heartbeat_age": pairs(np.maximum(0.0, now - heartbeat), heartbeat > 0),
+        "learning_rate": pairs(live["lr"]),
+        "loss_scale": pairs(live["loss_scale"]),
+        "zero_grad_fraction": pairs(live["zero_grad_frac"]),
+        "loss_trend_slope": mapped(slopes),
     }
-    out = {}
-    for name, pick in picks.items():
-        pairs = [(r.rank, v) for r in rows if (v := pick(r)) is not None and math.isfinite(v)]
-        out[name] = (np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=float))
-    return out
+
+
+def table_collectives(scope: str, labels: dict[str, str], table) -> Iterator:
+    """Per process group, the lowest and highest sequence number the ranks
+    enqueued and completed: the skew is max - min, a rank behind shows as min."""
+    names, lv = list(labels), list(labels.values())
+    family = GaugeMetricFamily(f"trainwatch_{scope}_collective_seq", f"Collective sequence numbers over the "
+                               f"{scope}'s ranks, per process group (min: the rank furthest behind).",
+                               labels=names + ["pg", "state", "stat"])
+    live = table[table["pid"] > 0] if len(table) else table
+    if len(live):
+        groups, ngroups = live["groups"], np.clip(live["ngroups"], 0, slots.MAX_GROUPS)
+        used = np.arange(slots.MAX_GROUPS)[None, :] < ngroups[:, None]
+        pgs = groups["pg"][used]
+        for state in ("enqueued", "completed"):
+            seqs = groups[state][used]
+            for pg in np.unique(pgs).tolist():
+                mine = seqs[pgs == pg]
+                family.add_metric(lv + [str(pg), state, "min"], float(mine.min()))
+                family.add_metric(lv + [str(pg), state, "max"], float(mine.max()))
+    yield family
 
 
 def rank_families(rows: list[RankRow], values: dict[str, tuple], job: str) -> Iterator:
@@ -127,24 +158,6 @@ def stat_families(scope: str, labels: dict[str, str], values: dict[str, tuple]) 
         at = int(np.argmax(vals) if signal.worst == "max" else np.argmin(vals))
         worst.add_metric(lv + [signal.name], float(ranks[at]))
     yield worst
-
-
-def collective_families(scope: str, labels: dict[str, str], rows: Iterable[RankRow]) -> Iterator:
-    """Per process group, the lowest and highest sequence number the ranks
-    enqueued and completed: the skew is max - min, a rank behind shows as min."""
-    names, lv = list(labels), list(labels.values())
-    family = GaugeMetricFamily(f"trainwatch_{scope}_collective_seq", f"Collective sequence numbers over the "
-                               f"{scope}'s ranks, per process group (min: the rank furthest behind).",
-                               labels=names + ["pg", "state", "stat"])
-    seen: dict[tuple[str, str], list[int]] = {}
-    for r in rows:
-        for g in r.groups:
-            seen.setdefault((str(g.pg), "enqueued"), []).append(g.enqueued)
-            seen.setdefault((str(g.pg), "completed"), []).append(g.completed)
-    for (pg, state), seqs in sorted(seen.items()):
-        family.add_metric(lv + [pg, state, "min"], float(min(seqs)))
-        family.add_metric(lv + [pg, state, "max"], float(max(seqs)))
-    yield family
 
 
 class PhaseClock:

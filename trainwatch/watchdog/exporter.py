@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 from prometheus_client.registry import Collector
 
-from trainwatch import kinds
+from trainwatch import kinds, slots
 from trainwatch.rankrow import RankRow
 from trainwatch.watchdog import aggregates
 from trainwatch.watchdog.aggregates import JOB_LABEL
@@ -100,6 +100,10 @@ class Source(Protocol):
     step_hist: StepHistogram
     incident_counts: dict[str, int]
 
+    last_table: object
+    """The last read of the slot table (None before the first)."""
+
+    def clock(self) -> float: ...
     def rows(self) -> list[RankRow]: ...
     def open_incidents(self) -> list[dict]: ...
     def straggler_ratios(self) -> dict[int, float]: ...
@@ -116,22 +120,26 @@ class TrainwatchCollector(Collector):
         job, node = sc.job, sc.node
         config = getattr(sc, "config", None)
         detail = getattr(config, "metrics_detail", "rank")
-        rows = sc.rows()
-        values = aggregates.signal_values(rows, sc.straggler_ratios(), _loss_slopes(sc))
+        # Aggregates from the last read's columns; rows are decoded only for the
+        # per-rank series (a node's few ranks).
+        table = getattr(sc, "last_table", None)
+        if table is None:
+            table = np.zeros(0, dtype=slots.slot_dtype())
+        values = aggregates.table_values(table, sc.clock(), sc.straggler_ratios(), _loss_slopes(sc))
         if detail == "rank":
-            yield from aggregates.rank_families(rows, values, job)
+            yield from aggregates.rank_families(sc.rows(), values, job)
         if detail in ("rank", "node"):
             labels = {JOB_LABEL: job, "node": node}
             yield from aggregates.stat_families("node", labels, values)
-            yield from aggregates.collective_families("node", labels, rows)
+            yield from aggregates.table_collectives("node", labels, table)
             ranks = GaugeMetricFamily("trainwatch_node_ranks", "Ranks of this node reporting.",
                                       labels=[JOB_LABEL, "node"])
-            ranks.add_metric([job, node], float(len(rows)))
+            ranks.add_metric([job, node], float(len(values["step"][0])))
             yield ranks
         jobwide = getattr(sc, "jobwide", None)
         if jobwide is None:  # a single-node job: this node is the job
             yield from aggregates.stat_families("job", {JOB_LABEL: job}, values)
-            yield from aggregates.collective_families("job", {JOB_LABEL: job}, rows)
+            yield from aggregates.table_collectives("job", {JOB_LABEL: job}, table)
         phases = getattr(sc, "phase_clock", None)
         if phases is not None:
             yield phases.family(job, node)

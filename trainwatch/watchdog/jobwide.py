@@ -334,9 +334,10 @@ class JobWideNode:
         for kind, n in sorted(self.incident_counts.items()):
             c.add_metric([job, kind], float(n))
         yield c
-        # The job's aggregates, bounded by the signals whatever the number of ranks.
-        rows = rankrow.decode(table, self.sidecar.clock(), _labels)
+        # The job's aggregates, bounded by the signals whatever the number of
+        # ranks, from the table's columns: no row decoded at thousands of ranks.
         det = self.aggregator.engine.detector("straggler")
         ratios = det.current_ratios() if det is not None else {}
-        yield from aggregates.stat_families("job", {JOB_LABEL: job}, aggregates.signal_values(rows, ratios, {}))
-        yield from aggregates.collective_families("job", {JOB_LABEL: job}, rows)
+        values = aggregates.table_values(table, self.sidecar.clock(), ratios, {})
+        yield from aggregates.stat_families("job", {JOB_LABEL: job}, values)
+        yield from aggregates.table_collectives("job", {JOB_LABEL: job}, table)
