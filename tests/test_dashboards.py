@@ -17,20 +17,22 @@ import requests
 import yaml
 from grafana_foundation_sdk.models import dashboard as dm
 
-from trainwatch import dashboards, netbind
+from trainwatch import dashboards
 from trainwatch.dashboards.definitions import DASHBOARDS
 from trainwatch.diagnostics.kernel_log import normalize_pci
 from trainwatch.inject.fake_nvml import FakeNvml
 from trainwatch.dashboards.panels import DATASOURCE_UID, STALL_SECONDS, STRAGGLER_RATIO
+from trainwatch.watchdog.aggregates import RANK_SIGNALS, SIGNALS
 from trainwatch.diagnostics.runbooks import get_runbook
-from util import BIN, ROOT, env_for, events, job_json, stop_group, wait_for
+from util import BIN, ROOT, env_for, events, job_json, prometheus_server, stop_group, wait_for
 
 OUT = ROOT / "dashboards"
-PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package `prometheus`)")
 
 TEMPLATE_VARS = ("job", "node", "rank")
+PER_RANK = {"trainwatch_" + s.metric for s in SIGNALS if s.name in RANK_SIGNALS}
+"""The only series with a rank label (besides the GPUs'): what a person drills into."""
 REQUIRED_ALERTS = {
     "TrainwatchJobHung", "TrainwatchCollectiveMismatch", "TrainwatchStraggler", "TrainwatchGpuXidCritical",
     "TrainwatchGpuEccUncorrected", "TrainwatchLossNaN", "TrainwatchRestartLoop",
@@ -159,21 +161,28 @@ def test_every_reference_resolves_and_every_query_filters():
         for where, target in queries:
             expr = target["expr"]
             assert expr and target["datasource"]["uid"] == "${datasource}", where
-            # Every selector filters by job and node; those with a rank label by rank too.
+            # Every selector filters by job and node; the per-rank series (and the GPUs) by rank too.
             for metric, matchers in re.findall(r"(trainwatch_\w+)\{([^}]*)\}", expr):
-                assert 'job=~"$job"' in matchers and 'node=~"$node"' in matchers, (where, metric)
-                if not metric.startswith(("trainwatch_incident", "trainwatch_restarts", "trainwatch_goodput",
-                                           "trainwatch_badput")):
+                assert 'trainwatch_job=~"$job"' in matchers, (where, metric)
+                if metric.startswith("trainwatch_job_"):
+                    continue  # a job aggregate: one set of series per job, no node or rank
+                assert 'node=~"$node"' in matchers, (where, metric)
+                if metric in PER_RANK or metric.startswith("trainwatch_gpu_"):
                     assert 'rank=~"$rank"' in matchers, (where, metric)
-            assert not re.search(r"trainwatch_\w+(?![\w{])", expr), f"{where}: unfiltered metric in {expr}"
+                else:
+                    assert metric.startswith(("trainwatch_node_", "trainwatch_incident", "trainwatch_restarts",
+                                              "trainwatch_phase_seconds", "trainwatch_step_duration",
+                                              "trainwatch_goodput", "trainwatch_badput")), (where, metric)
+            assert not re.search(r"trainwatch_(?!job\b)\w+(?![\w{])", expr), f"{where}: unfiltered metric in {expr}"
 
 
 def test_each_dashboard_covers_its_signals():
     d = committed()
     overview = d["trainwatch-overview.json"]
-    for needle in ("rate(trainwatch_step{", "trainwatch_loss{", "histogram_quantile(0.5,", "histogram_quantile(0.99,",
-                   "trainwatch_step_duration_seconds_bucket{", "trainwatch_last_progress_age_seconds{",
-                   "trainwatch_incidents_total{", "trainwatch_restarts_total{", "trainwatch_goodput_ratio{",
+    for needle in ("rate(trainwatch_node_step{", "trainwatch_node_loss{", "topk(5, trainwatch_loss{",
+                   "histogram_quantile(0.5,", "histogram_quantile(0.99,", "trainwatch_step_duration_seconds_bucket{",
+                   "trainwatch_node_last_progress_age_seconds{", "trainwatch_incidents_total{",
+                   "trainwatch_restarts_total{", "rate(trainwatch_phase_seconds_total{", "trainwatch_goodput_ratio{",
                    "trainwatch_badput_seconds_total{"):
         assert needle in exprs(overview), needle
     annotations = {a["name"]: a["expr"] for a in overview["annotations"]["list"]}
@@ -181,19 +190,19 @@ def test_each_dashboard_covers_its_signals():
 
     ranks = d["trainwatch-ranks.json"]
     heatmaps = [p for p in panels(ranks) if p["type"] == "heatmap"]
-    assert {p["title"] for p in heatmaps} >= {"Step time heatmap (row per rank)", "Step duration distribution"}
+    assert {p["title"] for p in heatmaps} >= {"Step time of the slowest nodes", "Step duration distribution"}
     assert "trainwatch_straggler_slowdown_ratio{" in exprs(ranks)
     assert any(p["type"] == "table" and "topk(" in p["targets"][0]["expr"] for p in panels(ranks))
 
     coll = d["trainwatch-collectives.json"]
-    for needle in ('state="enqueued"', 'state="completed"', "max by (job, pg)", "min by (job, pg)"):
+    for needle in ('state="enqueued"', 'state="completed"', "max by (trainwatch_job, pg)", "min by (trainwatch_job, pg)"):
         assert needle in exprs(coll), needle
 
     gpu = d["trainwatch-gpu.json"]
     assert "gpu" in variables(gpu)
     for metric in ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_watts",
                    "sm_clock_hertz", "throttle", "xid_errors_total", "xid_code_errors_total", "ecc_errors_total"):
-        assert f'trainwatch_gpu_{metric}{{job=~"$job",node=~"$node",rank=~"$rank",gpu=~"$gpu"' in exprs(gpu), metric
+        assert f'trainwatch_gpu_{metric}{{trainwatch_job=~"$job",node=~"$node",rank=~"$rank",gpu=~"$gpu"' in exprs(gpu), metric
 
     # Thresholds drawn where the alerts fire.
     def threshold_of(dash, title):
@@ -207,6 +216,26 @@ def test_each_dashboard_covers_its_signals():
 
     # The straggler alert pages on the open incident; the ratio line is the detector's own.
     assert f"> {STALL_SECONDS}" in rules["TrainwatchRankStalled"] and StragglerConfig().ratio == STRAGGLER_RATIO
+
+
+def test_default_panels_draw_a_bounded_number_of_lines():
+    """No panel draws a line per rank or per node: every selector sits under an
+    aggregation by job (or job and a small label), a topk/bottomk, or a count."""
+    bounded = re.compile(r"^(histogram_quantile\([\d.]+, )?\(?(topk|bottomk)\(\d+,"
+                         r"|^(histogram_quantile\([\d.]+, )?\(?(sum|min|max|count|quantile) by \(trainwatch_job(, (le|kind|pg|phase|reason|cause))?\)"
+                         r"|^count\(count by \(pg\)|^max\(max by \(trainwatch_job, pg\)|^max\(trainwatch_node_"
+                         r"|^trainwatch_job_")
+    for name, dash in committed().items():
+        for panel in panels(dash):
+            for target in panel["targets"]:
+                expr = target["expr"]
+                if panel["type"] == "heatmap" and expr.startswith("sum by (le)"):
+                    continue  # one histogram: its buckets, not ranks
+                assert bounded.search(expr), f"{name}: {panel['title']}: unbounded {expr}"
+                legend = target.get("legendFormat", "")
+                assert not legend or "{{trainwatch_job}}" in legend, f"{name}: {panel['title']}: legend without the job"
+
+
 
 
 # ---- Grafana provisioning ----------------------------------------------------------------
@@ -341,7 +370,7 @@ STEPS = 90
 # Panel targets that may stay empty in this run, and why. Everything else must
 # return data: the run below produces every other signal the dashboards show.
 EMPTY_OK = {
-    "Stalled ranks": "no rank stays 60 s without a step: the hang is detected and restarted in seconds",
+    "Nodes with a stalled rank": "no rank stays 60 s without a step: the hang is detected and restarted in seconds",
     "Loss scale": "the trainer runs without a GradScaler here (only its scale_collapse fault turns one on)",
     "Loss trend slope": "90 steps are fewer than the loss trend window needs for a fit",
 }
@@ -353,44 +382,16 @@ def prometheus(tmp_path_factory):
     on 127.0.0.1, set up as README.md says: `targets/` linked to the directory
     `trainwatch launch` writes its file_sd targets into. Only the intervals
     change (15 s -> 1 s) so the test is quick. Yields (url, TRAINWATCH_HOME)."""
-    if PROMETHEUS is None:
-        pytest.skip("prometheus not installed (Debian package `prometheus`)")
     home = tmp_path_factory.mktemp("twhome")
     cfg_dir = tmp_path_factory.mktemp("prometheus")
     config = (OUT / "prometheus.yml").read_text()
     config, n = re.subn(r"(scrape_interval|evaluation_interval): 15s", r"\1: 1s", config)
     assert n == 2, "prometheus.yml no longer sets both intervals to 15s; update this test"
-    (cfg_dir / "prometheus.yml").write_text(config)
     shutil.copy(OUT / "alert-rules.yml", cfg_dir / "alert-rules.yml")
     (home / "targets").mkdir(mode=0o700)
     (cfg_dir / "targets").symlink_to(home / "targets")
-    port = netbind.free_port()
-    log_path = cfg_dir / "prometheus.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={cfg_dir / 'prometheus.yml'}", f"--storage.tsdb.path={cfg_dir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def ready():
-            if proc.poll() is not None:
-                raise AssertionError(f"prometheus exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                return requests.get(f"{url}/-/ready", timeout=2).status_code == 200
-            except requests.ConnectionError:
-                return False
-
-        wait_for(ready, 60, interval=0.2, what="prometheus to be ready")
+    with prometheus_server(cfg_dir, config) as url:
         yield url, home
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def promql(url: str, expr: str, **params) -> dict:
@@ -441,7 +442,7 @@ def finished_run(prometheus):
         # Xid counter at 0: the dashboards must count this first event.
         def xid_counter_at_zero():
             body = requests.get(f"{url}/api/v1/query", timeout=10, params={
-                "query": f'trainwatch_gpu_xid_errors_total{{job="{JOB}",gpu="3"}} == 0'}).json()
+                "query": f'trainwatch_gpu_xid_errors_total{{trainwatch_job="{JOB}",gpu="3"}} == 0'}).json()
             return body["data"]["result"]
 
         wait_for(xid_counter_at_zero, 60, interval=0.2, what="Prometheus to hold GPU 3's Xid counter at 0")
@@ -517,29 +518,29 @@ def test_panels_show_the_injected_faults(finished_run):
             out[series["metric"].get(label, "")] = max(float(v) for _, v in series["values"])
         return out
 
-    ratios = peak_by('trainwatch_straggler_slowdown_ratio{job=~"$job"}', "rank")
+    ratios = peak_by('trainwatch_straggler_slowdown_ratio{trainwatch_job=~"$job"}', "rank")
     assert max(ratios, key=ratios.get) == str(CULPRIT_SLOW) and ratios[str(CULPRIT_SLOW)] >= STRAGGLER_RATIO, ratios
-    ages = peak_by('trainwatch_last_progress_age_seconds{job=~"$job"}', "rank")
+    ages = peak_by('trainwatch_last_progress_age_seconds{trainwatch_job=~"$job"}', "rank")
     assert ages[str(CULPRIT_HUNG)] >= 4, ages
-    incidents = peak_by('sum by (kind) (trainwatch_incidents_total{job=~"$job"})', "kind")
+    incidents = peak_by('sum by (kind) (trainwatch_incidents_total{trainwatch_job=~"$job"})', "kind")
     assert incidents["hang"] >= 1 and incidents["straggler"] >= 1, incidents
     assert "restart" not in incidents, incidents  # a restart is an action of the hang, not an incident
-    assert peak_by('max(trainwatch_restarts_total{job=~"$job"})', "") == {"": 1.0}
-    xids = peak_by('trainwatch_gpu_xid_code_errors_total{job=~"$job"}', "xid")
+    assert peak_by('max(trainwatch_restarts_total{trainwatch_job=~"$job"})', "") == {"": 1.0}
+    xids = peak_by('trainwatch_gpu_xid_code_errors_total{trainwatch_job=~"$job"}', "xid")
     assert xids == {"13": 1.0}
     # increase() extrapolates to the window's edges: about 1, not exactly. With few
     # samples after the counter moved (a short run) the factor nears 2; one event
     # (the per-code peak above) never reads as 3.
-    assert 0.9 <= peak_by('sum(increase(trainwatch_gpu_xid_errors_total{job=~"$job"}[10m]))', "")[""] < 2.5
+    assert 0.9 <= peak_by('sum(increase(trainwatch_gpu_xid_errors_total{trainwatch_job=~"$job"}[10m]))', "")[""] < 2.5
     # The annotation markers land on the hang's restart.
-    marks = promql(url, substitute('sum by (job, node) (changes(trainwatch_restarts_total{job=~"$job",node=~"$node"}[1m])) > 0'), **window)
+    marks = promql(url, substitute('sum by (trainwatch_job, node) (changes(trainwatch_restarts_total{trainwatch_job=~"$job",node=~"$node"}[1m])) > 0'), **window)
     assert marks["result"]
 
 
 @pytest.mark.slow
 def test_alerts_fired_during_the_run(finished_run):
     url, start, end = finished_run
-    fired = promql(url, f'ALERTS{{job="{JOB}",alertstate="firing"}}', start=start, end=end, step=1)["result"]
+    fired = promql(url, f'ALERTS{{trainwatch_job="{JOB}",alertstate="firing"}}', start=start, end=end, step=1)["result"]
     names = {s["metric"]["alertname"] for s in fired}
     assert "TrainwatchJobHung" in names, names
     assert "TrainwatchGpuXid" in names, names  # Xid 13 is not critical: a warning
@@ -563,7 +564,7 @@ def test_template_variables_list_the_run(finished_run):
                              timeout=10).json()
             assert r["status"] == "success", (name, var["name"], r)
             found = {s[label] for s in r["data"] if label in s}
-            expected = {"job": {JOB}, "rank": {"0", "1", "2", "3"}, "gpu": {"0", "1", "2", "3"}}.get(var["name"])
+            expected = {"trainwatch_job": {JOB}, "rank": {"0", "1", "2", "3"}, "gpu": {"0", "1", "2", "3"}}.get(label)
             if expected is not None:
                 assert found == expected, (name, var["name"], found)
             else:

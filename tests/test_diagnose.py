@@ -242,3 +242,58 @@ def test_every_command_answers_bad_input_with_one_line(home, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2, argv
         assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+
+
+def _finished_job(name: str, n: int) -> None:
+    import numpy as np
+
+    from trainwatch import rankrow
+    from slot_tables import make_table
+
+    table = make_table(n, now=100.0, step=50)
+    table["step"][123] = 31  # one rank far behind, idle for long
+    table["progress_mono"][123] = 10.0
+    rows = rankrow.rows_json(rankrow.decode(table, 100.5, [f"n{r // 8}" for r in range(n)]))
+    jd = state.JobDir(name).create()
+    jd.update_job(status="failed", start_time=1.0, launcher_pid=999999999)
+    state.write_json_atomic(jd.telemetry_file, {"node": "n0", "time": 1.0, "ranks": rows})
+    jd.append_event({"kind": "hang", "culprit_ranks": [200], "summary": "rank 200 stuck"})
+    assert np.all(table["pid"] > 0)
+
+
+def test_a_large_jobs_report_is_summarised_unless_all_ranks(home, capsys):
+    _finished_job("big", 300)
+    assert main(["diagnose", "big", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) >= {"job", "status", "verdict", "ranks", "stack_groups", "hardware", "incidents"}
+    shown = {r["rank"] for r in report["ranks"]}
+    assert {123, 200} <= shown and len(shown) <= 64  # the laggard and the culprit, not 300 rows
+    summary = report["ranks_summary"]
+    assert (summary["total"], summary["shown"], summary["nodes"]) == (300, len(shown), 38)
+    assert summary["step"] == {"min": 31, "median": 50, "p99": 50, "max": 50}
+    assert summary["last_progress_s"]["max"] == 90.5
+    assert all(set(r) >= {"rank", "node", "pid", "step", "phase", "last_progress_s", "collectives"}
+               for r in report["ranks"])
+    assert main(["diagnose", "big", "--json", "--all-ranks"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert len(full["ranks"]) == 300 and "ranks_summary" not in full
+    assert main(["diagnose", "big"]) == 0
+    text = capsys.readouterr().out
+    assert "of 300 ranks on 38 node(s) shown (`--all-ranks` for every one)" in text
+    assert len(text.splitlines()) < 100
+
+
+def test_a_small_jobs_report_lists_every_rank():
+    from trainwatch.diagnostics.rank_summary import summarise
+
+    report = {"verdict": {"culprit_ranks": []}, "stack_groups": [], "ranks": [row(r) for r in range(64)]}
+    assert summarise(report) is report
+
+
+def test_a_capture_past_its_budget_names_the_ranks_it_did_not_sample():
+    import os
+
+    from trainwatch.capture import capture_all
+
+    caps = capture_all({0: os.getpid(), 1: os.getpid()}, budget_s=0.0, job="nobody")
+    assert all(c.stack.error.startswith("not sampled: the capture's 0s budget") for c in caps.values())

@@ -178,8 +178,8 @@ def test_open_gauge_counts_open_incidents_from_zero():
     source = OpenSource([{"kind": "straggler", "severity": "medium", "opened_time": time.time() - 42},
                          {"kind": "hang", "severity": "high", "opened_time": time.time() - 3}])
     text = "\n".join(f"{m.name} {s.labels} {s.value}" for m in _open_incidents("j", source) for s in m.samples)
-    assert "trainwatch_incident_open {'job': 'j', 'node': 'n', 'kind': 'straggler', 'severity': 'medium'} 1.0" in text
-    assert "trainwatch_incident_open {'job': 'j', 'node': 'n', 'kind': 'loss_nan', 'severity': 'critical'} 0.0" in text
+    assert "trainwatch_incident_open {'trainwatch_job': 'j', 'node': 'n', 'kind': 'straggler', 'severity': 'medium'} 1.0" in text
+    assert "trainwatch_incident_open {'trainwatch_job': 'j', 'node': 'n', 'kind': 'loss_nan', 'severity': 'critical'} 0.0" in text
     ages = {s.labels["kind"]: s.value for m in _open_incidents("j", source) for s in m.samples
             if m.name == "trainwatch_incident_open_age_seconds"}
     assert ages["straggler"] == pytest.approx(42, abs=1) and ages["hang"] == pytest.approx(3, abs=1)

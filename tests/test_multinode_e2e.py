@@ -113,7 +113,7 @@ def test_a_hang_on_one_node_is_one_job_incident_and_every_node_resumes_from_one_
     # Job-level series come from the aggregator (node 0) alone: one alert per job.
     pages = [urllib.request.urlopen(f"http://{node_job(h, nodes.job, f'n{i}')['metrics']}/metrics", timeout=10)
              .read().decode() for i, h in enumerate(nodes.homes)]
-    assert f'trainwatch_job_nodes{{job="{nodes.job}"}} 2.0' in pages[0] and f'trainwatch_job_ranks{{job="{nodes.job}"}} 4.0' in pages[0]
+    assert f'trainwatch_job_nodes{{trainwatch_job="{nodes.job}"}} 2.0' in pages[0] and f'trainwatch_job_ranks{{trainwatch_job="{nodes.job}"}} 4.0' in pages[0]
     assert "trainwatch_job_nodes" not in pages[1]
     codes = nodes.wait()
     assert codes == [0, 0], nodes.log(0)[-3000:] + nodes.log(1)[-3000:]

@@ -149,7 +149,9 @@ def test_the_sidecar_loop_samples_about_once_a_second(tmp_path, monkeypatch):
         return real_tick()
 
     sc.tick = tick
-    sc.run(stop)
+    from trainwatch.watchdog.writer import InlineWriter
+
+    sc.run(stop, writer=InlineWriter())  # every sample due is written (the thread would coalesce them)
     path = state.JobDir("sc").history_file("node/0")
     samples = historyfile.read_samples([path])
     assert len(samples) == 6  # rounds 1, 3, 5, 7, 9, then the final one (round 11)

@@ -21,6 +21,8 @@ from trainwatch.watchdog import otel
 from trainwatch.watchdog.exporter import TrainwatchCollector
 from trainwatch.watchdog.sidecar import Sidecar
 
+from util import wait_for
+
 
 class Clock:
     def __init__(self, t: float):
@@ -84,8 +86,8 @@ def test_hang_is_one_incident_with_outputs(job):
     registry = CollectorRegistry()
     registry.register(TrainwatchCollector(sc))
     text = generate_latest(registry).decode()
-    assert 'trainwatch_incidents_total{job="sc",kind="hang",node="n0"} 1.0' in text
-    assert 'trainwatch_step{job="sc",node="n0",rank="2"} 29.0' in text
+    assert 'trainwatch_incidents_total{kind="hang",node="n0",trainwatch_job="sc"} 1.0' in text
+    assert 'trainwatch_step{node="n0",rank="2",trainwatch_job="sc"} 29.0' in text
     assert "trainwatch_step_duration_seconds_bucket" in text
     # Goodput: start-up to the first step, productive until rank 2 stopped, then
     # detection (its last progress to the incident) and the time since.
@@ -95,9 +97,9 @@ def test_hang_is_one_incident_with_outputs(job):
     assert gp.badput_s["startup"] == 0.5 and gp.productive_s == pytest.approx(t_stop - 1000.5)
     assert gp.badput_s["detection"] == pytest.approx(detected - t_stop)
     assert gp.badput_s["hung"] + gp.badput_s["capture_checkpoint"] == pytest.approx(clock.t - detected)
-    assert f'trainwatch_goodput_ratio{{job="sc",node="n0"}} {gp.ratio}' in text
+    assert f'trainwatch_goodput_ratio{{node="n0",trainwatch_job="sc"}} {gp.ratio}' in text
     for cause in ("startup", "detection", "capture_checkpoint", "restart", "recompute", "hung"):
-        assert f'trainwatch_badput_seconds_total{{cause="{cause}",job="sc",node="n0"}}' in text
+        assert f'trainwatch_badput_seconds_total{{cause="{cause}",node="n0",trainwatch_job="sc"}}' in text
     sc.write_snapshot()
     assert json.loads(state.JobDir("sc").telemetry_file.read_text())["goodput"]["wall_s"] == round(gp.wall_s, 3)
 
@@ -176,3 +178,68 @@ def test_response_runs_off_the_tick(job, monkeypatch):
     assert incident["verdict"]["category"] == "dataloader" and incident["capture"]["seconds"] == 9.9
     assert f"hang {incident['id']}: stacks of 4 rank(s)" in out.getvalue()
     sc.responder.close()
+
+
+def test_the_writer_coalesces_and_drains():
+    from trainwatch.watchdog.writer import BackgroundWriter
+
+    writer = BackgroundWriter()
+    gate, ran = threading.Event(), []
+    writer.submit("block", gate.wait)  # holds the thread while the next ones queue up
+    for i in range(5):
+        writer.submit("snapshot", lambda i=i: ran.append(("snapshot", i)))
+    writer.submit("history", lambda: ran.append(("history", 0)))
+    writer.submit("bad", lambda: 1 / 0)  # logged; the thread goes on
+    assert writer.pending("snapshot") and writer.replaced == 4  # one waiting job per key: bounded
+    gate.set()
+    assert writer.close(timeout_s=10)
+    assert ran == [("snapshot", 4), ("history", 0)]  # only the newest snapshot, in submission order
+    writer.submit("late", lambda: ran.append("late"))  # after close: dropped, never run on a dead thread
+    assert ran[-1] != "late"
+
+
+def test_the_loop_never_waits_on_a_slow_write(job):
+    """A snapshot and history write that take as long as the disk likes (here:
+    until released) hold neither the detection rounds nor each other's slot;
+    the loop's last round waits for them, so nothing written is lost."""
+    sc = Sidecar("sc", job, node="n0", out=io.StringIO())
+    sc.config.tick_s, sc.config.snapshot_s = 0.005, 0.0
+    publish(writers(job), 7, 0.0, ["forward"] * 4)
+    release, writes, rounds = threading.Event(), [], []
+    real_job = sc.snapshot_job
+
+    def slow_job():
+        job = real_job()
+
+        def write():
+            release.wait(60)
+            job()
+            writes.append(1)
+        return write
+
+    sc.snapshot_job = slow_job
+    sc.tick_started = rounds.append
+    stop = threading.Event()
+    loop = threading.Thread(target=sc.run, args=(stop,))
+    loop.start()
+    try:
+        wait_for(lambda: len(rounds) >= 40, timeout=30, what="detection rounds while a write is stuck")
+        assert writes == []  # still stuck: the rounds went on without it
+    finally:
+        release.set()
+        stop.set()
+        loop.join(30)
+    assert not loop.is_alive() and writes  # the last snapshot was written before the loop ended
+    snap = json.loads(state.JobDir("sc").telemetry_file.read_text())
+    assert [r["step"] for r in snap["ranks"]] == [7] * 4
+    assert state.JobDir("sc").history_file("n0").read_text().count("\n") >= 1
+
+
+def test_slow_writes_are_spaced_out():
+    from trainwatch.watchdog.writer import DUTY_FACTOR, BackgroundWriter
+
+    writer = BackgroundWriter()
+    assert writer.spacing("snapshot", 2.0) == 2.0  # nothing written yet: the configured interval
+    writer.seconds["snapshot"] = 1.0  # a write of thousands of ranks on a slow disk
+    assert writer.spacing("snapshot", 2.0) == DUTY_FACTOR * 1.0
+    writer.close()

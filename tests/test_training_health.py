@@ -518,8 +518,12 @@ class _Source:
         from trainwatch.watchdog.exporter import StepHistogram
 
         self.table, self.engine = table, engine
+        self.last_table = table
         self.step_hist = StepHistogram()
         self.incident_counts = {"lr_stuck": 1}
+
+    def clock(self):
+        return 0.0
 
     def rows(self):
         from trainwatch import rankrow
@@ -552,17 +556,19 @@ def test_exporter_publishes_the_training_health_series():
     registry = CollectorRegistry()
     registry.register(TrainwatchCollector(_Source(job.table, engine)))
     text = generate_latest(registry).decode()
-    assert 'trainwatch_learning_rate{job="j",node="n0",rank="1"} 0.0003' in text
-    assert 'trainwatch_loss_scale{job="j",node="n0",rank="0"} 1024.0' in text
-    assert 'trainwatch_zero_grad_fraction{job="j",node="n0",rank="0"} 0.01' in text
-    assert 'trainwatch_zero_grad_fraction{job="j",node="n0",rank="1"}' not in text  # not reported
-    assert 'trainwatch_phase_seconds{job="j",node="n0",phase="data",rank="0"} 0.25' in text
-    assert 'trainwatch_phase_seconds{job="j",node="n0",phase="optimizer"' not in text
-    slope = float(text.split('trainwatch_loss_trend_slope{job="j",node="n0",rank="0"} ')[1].split()[0])
+    # Node and job aggregates (not a series per rank): every statistic, the worst rank's number.
+    assert 'trainwatch_node_learning_rate{node="n0",stat="max",trainwatch_job="j"} 0.0003' in text
+    assert 'trainwatch_node_loss_scale{node="n0",stat="min",trainwatch_job="j"} 1024.0' in text
+    assert 'trainwatch_node_zero_grad_fraction{node="n0",stat="median",trainwatch_job="j"} 0.01' in text
+    assert 'trainwatch_job_loss_scale{stat="p99",trainwatch_job="j"} 1024.0' in text
+    assert 'trainwatch_learning_rate{' not in text and 'trainwatch_zero_grad_fraction{' not in text
+    assert 'trainwatch_node_worst_rank{node="n0",signal="zero_grad_fraction",trainwatch_job="j"} 0.0' in text
+    slope = float(text.split('trainwatch_node_loss_trend_slope{node="n0",stat="max",trainwatch_job="j"} ')[1]
+                  .split()[0])
     assert slope == pytest.approx(-0.01, rel=0.05)
     for kind in NEW_KINDS:
         assert kind in INCIDENT_KINDS
-        assert f'trainwatch_incidents_total{{job="j",kind="{kind}",node="n0"}}' in text
+        assert f'trainwatch_incidents_total{{kind="{kind}",node="n0",trainwatch_job="j"}}' in text
 
 
 def test_gradient_overflow_under_a_loss_scaler_is_not_a_nan_incident():

@@ -128,3 +128,48 @@ def running_plain_job(home: Path, job: str):
     finally:
         stop_group(proc)
         reap(home)
+
+
+@contextlib.contextmanager
+def prometheus_server(cfg_dir: Path, config: str):
+    """A real Prometheus on 127.0.0.1 running `config` (written to cfg_dir/prometheus.yml,
+    beside whatever rule files the caller put there); yields its URL."""
+    import shutil
+
+    import requests
+
+    from trainwatch import netbind
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        import pytest
+
+        pytest.skip("prometheus not installed (Debian package `prometheus`)")
+    (cfg_dir / "prometheus.yml").write_text(config)
+    port = netbind.free_port()
+    log_path = cfg_dir / "prometheus.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [binary, f"--config.file={cfg_dir / 'prometheus.yml'}", f"--storage.tsdb.path={cfg_dir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready():
+            if proc.poll() is not None:
+                raise AssertionError(f"prometheus exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                return requests.get(f"{url}/-/ready", timeout=2).status_code == 200
+            except requests.ConnectionError:
+                return False
+
+        wait_for(ready, 60, interval=0.2, what="prometheus to be ready")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -189,29 +189,42 @@ def _prune_shared(locks: Path) -> None:
                 entry.unlink()
     except OSError:
         pass
+MAX_PARALLEL = 32
+"""Most py-spy dumps at once: each briefly stops its rank and costs a process;
+a node's 8 ranks go in one wave, a machine's hundreds in waves of this size."""
 
 
 def capture_all(pids: dict[int, int], *, native: bool = False, timeout_s: float = PER_RANK_TIMEOUT_S,
-                out_dir: Path | None = None, job: str | None = None, workers: int = 16) -> dict[int, RankCapture]:
-    """Capture every rank (rank -> pid) in parallel; returns rank -> RankCapture."""
+                out_dir: Path | None = None, job: str | None = None, workers: int = MAX_PARALLEL,
+                budget_s: float | None = None) -> dict[int, RankCapture]:
+    """Capture every rank (rank -> pid) in parallel, at most `workers` at once;
+    returns rank -> RankCapture. With `budget_s`, the whole capture ends by then:
+    a rank whose turn comes later is reported as not sampled, never waited for."""
     if not pids:
         return {}
-    with ThreadPoolExecutor(max_workers=min(workers, len(pids))) as pool:
-        futures = {
-            rank: pool.submit(capture_rank, rank, pid, native=native, timeout_s=timeout_s, out_dir=out_dir, job=job)
-            for rank, pid in pids.items()
-        }
+    deadline = time.monotonic() + budget_s if budget_s is not None else None
+
+    def one(rank: int, pid: int) -> RankCapture:
+        left = timeout_s if deadline is None else min(timeout_s, deadline - time.monotonic())
+        if left < 0.2:
+            return RankCapture(rank, pid, ProcessStack(pid, rank, None, (), error=(
+                f"not sampled: the capture's {budget_s:.0f}s budget was spent on other ranks")),
+                process_state(pid), 0.0, None)
+        return capture_rank(rank, pid, native=native, timeout_s=left, out_dir=out_dir, job=job)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(pids)))) as pool:
+        futures = {rank: pool.submit(one, rank, pid) for rank, pid in pids.items()}
         return {rank: f.result() for rank, f in futures.items()}
 
 
 def capture_ranks(rows: list[dict], *, job: state.JobDir, label: str, timeout_s: float = PER_RANK_TIMEOUT_S,
-                  native: bool = False) -> tuple[list[StackGroup], Path, dict[str, str]]:
+                  native: bool = False, budget_s: float | None = None) -> tuple[list[StackGroup], Path, dict[str, str]]:
     """Capture every rank of `rows` (diagnose's per-rank dicts) in parallel,
     note each rank's process state and capture error in its row, and group the
     stacks: (groups, where the raw dumps went, {rank: why not sampled})."""
     out_dir = capture_dir(job.path, label)
     pids = {int(r["rank"]): int(r["pid"]) for r in rows if r.get("pid")}
-    caps = capture_all(pids, native=native, timeout_s=timeout_s, out_dir=out_dir, job=job.job)
+    caps = capture_all(pids, native=native, timeout_s=timeout_s, out_dir=out_dir, job=job.job, budget_s=budget_s)
     for r in rows:
         c = caps.get(r["rank"])
         r["state"] = (c.process_state or "gone") if c else None

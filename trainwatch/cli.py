@@ -19,16 +19,18 @@ USAGE = """trainwatch {launch,doctor,diagnose,explain,jobs,runbook,report,dashbo
   jobs     [--json]              list jobs and their status
   runbook  [ID]                  list runbooks, or print one
   report   JOB [--out FILE.html] one self-contained HTML page of the job: loss, step time, incidents
-  dashboards [--out DIR] [--check]  write the Grafana dashboards and provisioning files
+  dashboards [--out DIR] [--check]  write the monitoring bundle: dashboards, provisioning, Prometheus configs, alert rules
 """
 
 
 def cmd_launch(argv: list[str]) -> int:
     # Announced first: `diagnose` knows the job while the launcher imports the rest.
-    from trainwatch.watchdog.prescan import announce, start_failure
+    from trainwatch.watchdog.prescan import announce, prescan_print_config, start_failure
 
+    announced = None
     try:
-        announced = announce(argv)
+        if not prescan_print_config(argv):  # --print-config runs nothing: no launch to announce
+            announced = announce(argv)
     except state.StateError as e:
         return fail(str(e))
     except OSError as e:  # a full or read-only home: one line, nothing to undo yet

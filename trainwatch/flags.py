@@ -90,6 +90,10 @@ def config_flags(cls: type, prefixes: dict[tuple[str, ...], str], *, path: tuple
         if kind is bool and default is True:
             name = "no-" + name
         help_text = docs.get(f.name, "").replace("%", "%%")
+        if kind is bool and default is True:
+            # The field's docstring says what the setting does when on; its
+            # flag turns it off, so the help says so.
+            help_text = "Do not " + help_text[:1].lower() + help_text[1:] + " (on by default)"
         if kind is not bool:
             shown = ",".join(sorted(default)) if kind is tuple else default
             help_text += f" (default: {shown})"
@@ -143,10 +147,28 @@ def _validate(config: Any) -> None:
         check()
 
 
-def _parse(f: Flag, raw: str) -> Any:
+def parse_value(f: Flag, raw: Any) -> Any:
+    """A flag's value from the command line (a string) or a config file (typed);
+    ValueError naming the flag when it is not one."""
+    return _parse(f, raw)
+
+
+def _parse(f: Flag, raw: Any) -> Any:
     if f.kind is tuple:
+        if isinstance(raw, (list, tuple, frozenset, set)):
+            if not all(isinstance(x, str) for x in raw):
+                raise ValueError(f"{f.option} must be a list of names; got {list(raw)!r}")
+            return tuple(x.strip() for x in raw if x.strip())
         items = tuple(x.strip() for x in str(raw).split(",") if x.strip())
         return items
+    if f.kind is bool:
+        if not isinstance(raw, bool):
+            raise ValueError(f"{f.option} must be true or false; got {raw!r}")
+        return raw
+    if isinstance(raw, bool) or (f.kind is not str and isinstance(raw, (list, dict))):
+        raise ValueError(f"{f.option} must be {'an integer' if f.kind is int else 'a number'}; got {raw!r}")
+    if f.kind is int and isinstance(raw, float):
+        raise ValueError(f"{f.option} must be an integer; got {raw!r}")
     try:
         value = f.kind(raw)
     except (TypeError, ValueError):
@@ -209,3 +231,73 @@ def from_json(cls: type, data: Any) -> Any:
         else:
             raise ValueError(f"{cls.__name__}.{name}: expected {kind.__name__}, got {type(raw).__name__}")
     return cls(**values)
+
+
+def read_toml(path: str) -> dict:
+    """A TOML file's tables; ValueError on one line naming the file and what is wrong.
+    Python 3.11 reads TOML itself; 3.10 needs the `tomli` package."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ValueError(f"{path}: reading a TOML config file on Python 3.10 needs `pip install tomli`") from None
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); a TOML config file is UTF-8") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a config file (nested too deep)") from None
+    except tomllib.TOMLDecodeError as e:
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{path}: not valid TOML ({reason})") from None
+
+
+def to_toml(tables: dict, comments: dict[str, str] | None = None) -> str:
+    """Nested dicts of str/int/float/bool/list values as TOML; None values are
+    written as comments (TOML has no null). `comments` maps a dotted key to the
+    line written above it."""
+    comments = comments or {}
+    lines: list[str] = []
+
+    def emit(prefix: tuple[str, ...], table: dict) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        if prefix and scalars:
+            lines.extend(["", f"[{'.'.join(prefix)}]"])
+        for key, value in scalars.items():
+            dotted = ".".join(prefix + (key,))
+            if dotted in comments:
+                lines.append(f"# {comments[dotted]}")
+            lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+        for key, value in table.items():
+            if isinstance(value, dict):
+                emit(prefix + (key,), value)
+
+    emit((), tables)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if math.isfinite(value) else ("nan" if value != value else ("inf" if value > 0 else "-inf"))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value) if isinstance(value, (set, frozenset)) else value
+        return "[" + ", ".join(_toml_value(x) for x in items) + "]"
+    return '"' + "".join(_toml_char(c) for c in str(value)) + '"'
+
+
+def _toml_char(c: str) -> str:
+    if c in '"\\':
+        return "\\" + c
+    code = ord(c)
+    if code < 0x20 or code == 0x7F:
+        return f"\\u{code:04x}"
+    return "\ufffd" if 0xD800 <= code <= 0xDFFF else c  # a lone surrogate cannot be written as UTF-8

@@ -120,47 +120,60 @@ def progress_mono(table):
 def decode(table, now: float, nodes: Sequence[str] | str = "") -> list[RankRow]:
     """Live rows (pid > 0) of a slot table as RankRows, sorted by rank."""
     labels = [nodes] * len(table) if isinstance(nodes, str) else list(nodes)
+    if not len(table):
+        return []
+    # Columns as Python lists first: indexing a numpy record field by field
+    # costs a microsecond each, which at thousands of ranks is most of a scrape
+    # or a snapshot.
+    c = {name: table[name].tolist() for name in _COLUMNS}
+    progress = progress_mono(table).tolist()
+    groups = table["groups"]
+    g_pg, g_enq, g_done, g_op = (groups[k].tolist() for k in ("pg", "enqueued", "completed", "last_op"))
     rows = []
-    progress = progress_mono(table) if len(table) else ()
-    for i, (row, node) in enumerate(zip(table, labels)):
-        if row["pid"] <= 0:
+    for i, node in enumerate(labels[: len(table)]):
+        if c["pid"][i] <= 0:
             continue
-        hb = float(row["heartbeat_mono"])
-        ngroups = max(0, min(int(row["ngroups"]), slots.MAX_GROUPS))
+        hb = c["heartbeat_mono"][i]
+        ngroups = max(0, min(c["ngroups"][i], slots.MAX_GROUPS))
         rows.append(
             RankRow(
-                rank=int(row["rank"]),
-                local_rank=int(row["local_rank"]),
+                rank=c["rank"][i],
+                local_rank=c["local_rank"][i],
                 node=node,
-                pid=int(row["pid"]),
-                restart=int(row["restart"]),
-                step=int(row["step"]),
-                step_source="reported" if int(row["step_source"]) == slots.STEP_REPORTED else "counted",
-                loss=_finite(row["loss"]),
-                grad_norm=_finite(row["grad_norm"]),
-                step_s=_finite(row["step_s"], 6),
-                compute_s=_finite(row["compute_s"], 6),
-                phase=slots.phase_name(row["phase"]),
-                last_progress_s=round(max(0.0, now - float(progress[i])), 3),
-                last_step_s=round(max(0.0, now - float(row["progress_mono"])), 3),
-                phase_s=round(max(0.0, now - float(row["phase_mono"])), 3) if row["phase_mono"] > 0 else 0.0,
+                pid=c["pid"][i],
+                restart=c["restart"][i],
+                step=c["step"][i],
+                step_source="reported" if c["step_source"][i] == slots.STEP_REPORTED else "counted",
+                loss=_finite(c["loss"][i]),
+                grad_norm=_finite(c["grad_norm"][i]),
+                step_s=_finite(c["step_s"][i], 6),
+                compute_s=_finite(c["compute_s"][i], 6),
+                phase=slots.phase_name(c["phase"][i]),
+                last_progress_s=round(max(0.0, now - progress[i]), 3),
+                last_step_s=round(max(0.0, now - c["progress_mono"][i]), 3),
+                phase_s=round(max(0.0, now - c["phase_mono"][i]), 3) if c["phase_mono"][i] > 0 else 0.0,
                 heartbeat_age_s=round(max(0.0, now - hb), 3) if hb > 0 else None,
-                cpu_s=_finite(row["cpu_s"], 3),
-                py_collectives=int(row["py_collectives"]),
-                batches=int(row["batches"]),
+                cpu_s=_finite(c["cpu_s"][i], 3),
+                py_collectives=c["py_collectives"][i],
+                batches=c["batches"][i],
                 groups=tuple(
-                    slots.CollectiveGroup(int(g["pg"]), int(g["enqueued"]), int(g["completed"]),
-                                          bytes(g["last_op"]).rstrip(b"\0").decode("ascii", "replace"))
-                    for g in row["groups"][:ngroups]
+                    slots.CollectiveGroup(g_pg[i][k], g_enq[i][k], g_done[i][k],
+                                          g_op[i][k].rstrip(b"\0").decode("ascii", "replace"))
+                    for k in range(ngroups)
                 ),
-                lr=_finite(row["lr"]),
-                loss_scale=_finite(row["loss_scale"]),
-                zero_grad_frac=_finite(row["zero_grad_frac"], 6),
-                phase_times={p: round(float(row[p + "_s"]), 6) for p in PHASE_TIMES if math.isfinite(row[p + "_s"])},
+                lr=_finite(c["lr"][i]),
+                loss_scale=_finite(c["loss_scale"][i]),
+                zero_grad_frac=_finite(c["zero_grad_frac"][i], 6),
+                phase_times={p: round(c[p + "_s"][i], 6) for p in PHASE_TIMES if math.isfinite(c[p + "_s"][i])},
             )
         )
     rows.sort(key=lambda r: r.rank)
     return rows
+
+
+_COLUMNS = ("pid", "rank", "local_rank", "restart", "step", "step_source", "loss", "grad_norm", "step_s",
+            "compute_s", "phase", "progress_mono", "phase_mono", "heartbeat_mono", "cpu_s", "py_collectives",
+            "batches", "ngroups", "lr", "loss_scale", "zero_grad_frac", *(p + "_s" for p in PHASE_TIMES))
 
 
 def rows_json(rows: Iterable[RankRow]) -> list[dict]:

@@ -1,12 +1,13 @@
-"""Grafana dashboards and provisioning, generated from code.
+"""The monitoring bundle: Grafana dashboards and provisioning generated from
+code, and Prometheus' configs, alert rules and their promtool tests.
 
-    trainwatch dashboards --out dashboards/          # (re)write what changed
-    trainwatch dashboards --out dashboards/ --check  # exit 1 and a diff if stale
+    trainwatch dashboards --out DIR          # (re)write what changed
+    trainwatch dashboards --out DIR --check  # exit 1 and a diff if stale
 
-The output is committed under dashboards/ so Grafana users need no Python; this
-package is its single source. Prometheus' scrape config and alert rules
-(dashboards/prometheus.yml, dashboards/alert-rules.yml) are hand-written YAML
-next to it, checked by promtool in the tests.
+The Prometheus files are hand-written YAML kept as package data (`bundle/`),
+so a pip install writes the same bundle as a checkout. The repository's
+dashboards/ is this output, committed for readers without Python; a test
+fails when it is stale. promtool checks the bundle in the tests.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import sys
+from importlib import resources
 from pathlib import Path
 
 from trainwatch import state
@@ -73,7 +75,15 @@ def rendered() -> dict[str, str]:
     files = {name: render(make()) for name, make in DASHBOARDS.items()}
     files["provisioning/datasources/trainwatch.yaml"] = DATASOURCE_YAML
     files["provisioning/dashboards/trainwatch.yaml"] = PROVIDER_YAML
+    files.update(bundle_files())
     return files
+
+
+def bundle_files() -> dict[str, str]:
+    """The hand-written Prometheus files (package data): name -> text."""
+    folder = resources.files("trainwatch.dashboards") / "bundle"
+    return {f.name: f.read_text(encoding="utf-8") for f in sorted(folder.iterdir(), key=lambda f: f.name)
+            if f.name.endswith((".yml", ".yaml"))}
 
 
 def _write(path: Path, text: str) -> None:
@@ -84,7 +94,8 @@ def _write(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = Parser(
         prog="trainwatch dashboards", usage_hint="usage: trainwatch dashboards [--out DIR] [--check]",
-        description="Write trainwatch's Grafana dashboards and provisioning files.",
+        description="Write trainwatch's monitoring bundle: Grafana dashboards and provisioning, "
+        "Prometheus configs (one machine, Slurm file_sd, Kubernetes), alert rules and their promtool tests.",
     )
     p.add_argument("--out", type=Path, default=Path("dashboards"), help="directory to write to (default: ./dashboards)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 with a diff if the files differ")

@@ -28,14 +28,18 @@ Prometheus data source on import."""
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 """Every panel and variable points at the datasource variable, never a fixed uid."""
 
-# Label matchers. Metrics with a rank label take RANK; per-node counters
-# (incidents, restarts) have no rank label, so they take NODE only.
-NODE = 'job=~"$job",node=~"$node"'
+# Label matchers. The job's name is `trainwatch_job` (`job` is Prometheus'
+# scrape job); the dashboards' variable is still called job. Per-rank series
+# take RANK; node aggregates, counters and incidents have no rank label, so
+# they take NODE only.
+NODE = 'trainwatch_job=~"$job",node=~"$node"'
 RANK = NODE + ',rank=~"$rank"'
 GPU = RANK + ',gpu=~"$gpu"'
 
-RANK_LEGEND = "{{node}} rank {{rank}}"
-GPU_LEGEND = "{{node}} gpu {{gpu}}"
+# Every legend names the job: several jobs' lines must not look alike.
+RANK_LEGEND = "{{trainwatch_job}} {{node}} rank {{rank}}"
+NODE_LEGEND = "{{trainwatch_job}} {{node}}"
+GPU_LEGEND = "{{trainwatch_job}} {{node}} gpu {{gpu}}"
 
 STALL_SECONDS = 60
 """Progress age that alert-rules.yml calls a stalled rank; drawn as a threshold line."""
@@ -74,6 +78,38 @@ def _thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
 
 def _common(panel, title: str, description: str, span: int, height: int):
     return panel.title(title).description(description).datasource(DATASOURCE).span(span).height(height)
+
+
+# ---- bounded queries: a job's spread and its worst ranks, never a line per rank ------
+
+WORST = 5
+"""Ranks or nodes a "worst" query draws: enough to see the outliers, few enough to read."""
+
+
+def node_stat(metric: str, stat: str, extra: str = "") -> str:
+    """A node aggregate (trainwatch_node_<metric>) at one statistic."""
+    return f'trainwatch_node_{metric}{{{NODE},stat="{stat}"{extra}}}'
+
+
+def band(metric: str) -> list:
+    """The job's spread of a signal from its nodes' aggregates: the lowest rank,
+    the median of the nodes' medians, the highest rank. Three lines per job
+    whatever its size."""
+    return [
+        query(f"min by (trainwatch_job) ({node_stat(metric, 'min')})", "{{trainwatch_job}} min"),
+        query(f"quantile by (trainwatch_job) (0.5, {node_stat(metric, 'median')})", "{{trainwatch_job}} median"),
+        query(f"max by (trainwatch_job) ({node_stat(metric, 'max')})", "{{trainwatch_job}} max"),
+    ]
+
+
+def worst_ranks(metric: str, k: int = WORST, *, lowest: bool = False):
+    """The k ranks at the bad end of a per-rank series (`--metrics-detail rank`)."""
+    return query(f"{'bottomk' if lowest else 'topk'}({k}, trainwatch_{metric}{{{RANK}}})", RANK_LEGEND)
+
+
+def worst_nodes(metric: str, stat: str, k: int = 10, *, lowest: bool = False):
+    """The k nodes at the bad end of a node aggregate."""
+    return query(f"{'bottomk' if lowest else 'topk'}({k}, {node_stat(metric, stat)})", NODE_LEGEND)
 
 
 # ---- panels -------------------------------------------------------------------------
@@ -210,13 +246,14 @@ def heat(
 # ---- variables, annotations, dashboards ---------------------------------------------
 
 
-def label_variable(name: str, label: str, source: str) -> db.QueryVariable:
-    """A multi-select variable over one label's values; "All" is the regex .*
-    so series that lack a value (a GPU not mapped to a rank) still match."""
+def label_variable(name: str, label: str, source: str, label_name: str | None = None) -> db.QueryVariable:
+    """A multi-select variable over one label's values (`label_name`, default the
+    variable's name); "All" is the regex .* so series that lack a value (a GPU
+    not mapped to a rank) still match."""
     return (
         db.QueryVariable(name)
         .label(label)
-        .query(f"label_values({source}, {name})")
+        .query(f"label_values({source}, {label_name or name})")
         .datasource(DATASOURCE)
         .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(dm.VariableSort.NATURAL_ASC)
@@ -255,19 +292,19 @@ ANNOTATIONS = (
     PromAnnotation(
         "Incidents",
         # One marker per scrape step in which a kind's counter went up.
-        f"sum by (job, node, kind) (changes(trainwatch_incidents_total{{{NODE}}}[1m])) > 0",
+        f"sum by (trainwatch_job, node, kind) (changes(trainwatch_incidents_total{{{NODE}}}[1m])) > 0",
         "red",
         "{{kind}} incident",
-        "trainwatch job {{job}} on {{node}}: `trainwatch diagnose {{job}}` explains it",
-        "kind,job",
+        "trainwatch job {{trainwatch_job}} on {{node}}: `trainwatch diagnose {{trainwatch_job}}` explains it",
+        "kind,trainwatch_job",
     ),
     PromAnnotation(
         "Restarts",
-        f"sum by (job, node) (changes(trainwatch_restarts_total{{{NODE}}}[1m])) > 0",
+        f"sum by (trainwatch_job, node) (changes(trainwatch_restarts_total{{{NODE}}}[1m])) > 0",
         "orange",
         "worker group restart",
-        "trainwatch job {{job}} on {{node}} restarted its ranks from the newest valid checkpoint",
-        "job",
+        "trainwatch job {{trainwatch_job}} on {{node}} restarted its ranks from the newest valid checkpoint",
+        "trainwatch_job",
     ),
 )
 
@@ -297,9 +334,11 @@ def base(uid: str, title: str, description: str) -> db.Dashboard:
             .type("prometheus")
             .current(dm.VariableOption(selected=True, text="trainwatch", value=DATASOURCE_UID))
         )
-        .with_variable(label_variable("job", "Job", "trainwatch_step"))
-        .with_variable(label_variable("node", "Node", 'trainwatch_step{job=~"$job"}'))
-        .with_variable(label_variable("rank", "Rank", 'trainwatch_step{job=~"$job",node=~"$node"}'))
+        # Every node exports its restart counter at every --metrics-detail; per-rank
+        # series only at `rank` (the Rank variable is then empty and matches all).
+        .with_variable(label_variable("job", "Job", "trainwatch_restarts_total", "trainwatch_job"))
+        .with_variable(label_variable("node", "Node", 'trainwatch_restarts_total{trainwatch_job=~"$job"}'))
+        .with_variable(label_variable("rank", "Rank", 'trainwatch_step{trainwatch_job=~"$job",node=~"$node"}'))
     )
     for annotation in ANNOTATIONS:
         b = b.annotation(_Built(annotation))

@@ -20,6 +20,7 @@ from trainwatch import jobstore, liveness, rankrow, slots, state
 from trainwatch.capture import capture_ranks
 from trainwatch.diagnostics import goodput, utilisation
 from trainwatch.diagnostics import verdict as verdict_mod
+from trainwatch.diagnostics.rank_summary import SUMMARY_ABOVE, summarise
 from trainwatch.diagnostics.stack_groups import StackGroup
 from trainwatch.usage import Parser, fail, printable
 
@@ -33,8 +34,9 @@ def job_is_live(job: dict) -> bool:
     return liveness.status_of(job) in liveness.LIVE_STATUSES
 
 
-def read_ranks(job: dict, job_dir: state.JobDir) -> list[dict]:
-    """Per-rank telemetry: from the live segment when the job runs, else the last snapshot."""
+def read_ranks(job: dict, job_dir: state.JobDir, telemetry: dict | None = None) -> list[dict]:
+    """Per-rank telemetry: from the live segment when the job runs, else the last
+    snapshot (`telemetry`: telemetry.json already read)."""
     rows: list[dict] = []
     path = job.get("slots")
     if job_is_live(job) and isinstance(path, str):
@@ -48,7 +50,7 @@ def read_ranks(job: dict, job_dir: state.JobDir) -> list[dict]:
                 rows = rankrow.rows_json(rankrow.decode(seg.read_table(), time.monotonic(), node))
             finally:
                 seg.close()
-    telemetry = job_dir.telemetry()
+    telemetry = job_dir.telemetry() if telemetry is None else telemetry
     if not rows:
         rows = rankrow.rows_from_json(telemetry.get("ranks"))
     # A multi-node job: the other nodes' ranks, as the job-wide view last saw them.
@@ -193,7 +195,8 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
     job["status"] = liveness.status(job_dir, job)  # a run whose launcher died is `lost` (and reaped)
     incidents = job_dir.incidents()
     live = job_is_live(job)
-    ranks = read_ranks(job, job_dir)
+    telemetry = job_dir.telemetry()  # read once: at 4096 ranks it is megabytes
+    ranks = read_ranks(job, job_dir, telemetry)
     if node is not None:
         ranks = [r for r in ranks if r.get("node") == node]
     status = phase_of_job(job, ranks, live)
@@ -205,7 +208,7 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
         local = [r for r in ranks if here is None or r.get("node") in (here, "", None)]  # py-spy: our own pids only
         remote = RemoteCapture.ask(job, [r for r in ranks if r not in local], job_dir)
         groups, _where, _failed = capture_ranks(local, job=job_dir, label="diagnose", timeout_s=per_rank,
-                                                native=native)
+                                                native=native, budget_s=per_rank)
         if remote is not None:
             groups = merge_groups(groups + remote.collect(deadline=time.monotonic() + per_rank + 2.0))
     for r in ranks:
@@ -221,7 +224,6 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
         else:
             r["state"] = "exited"
     hardware = hardware_findings(incidents)
-    telemetry = job_dir.telemetry()
     v = _verdict(job, status, live, ranks, groups, incidents, hardware, telemetry.get("thresholds"))
     samples, no_samples, simulated = utilisation.samples_from_telemetry(telemetry)
     gpu = utilisation.gpu_utilisation(ranks, samples, no_samples=no_samples, simulated=simulated,
@@ -352,6 +354,13 @@ def render(report: dict) -> str:
                 f"{r['rank']:>4} {str(r.get('node') or '-')[:12]:<12} {r.get('pid') or '-':>7} {r.get('step', '-'):>7} "
                 f"{loss:>9} {str(r.get('phase') or '-'):<11} {idle:>7} {seq:>13} {st}"
             )
+    summary = report.get("ranks_summary")
+    if summary:
+        steps, idle = summary.get("step") or {}, summary.get("last_progress_s") or {}
+        lines.append(f"  ... {summary['shown']} of {summary['total']} ranks on {summary['nodes']} node(s) shown "
+                     f"(`--all-ranks` for every one); steps {steps.get('min', '-')}..{steps.get('max', '-')}, "
+                     f"idle s median {idle.get('median', '-')} max {idle.get('max', '-')}; phases "
+                     + ", ".join(f"{k} {v}" for k, v in list(summary["phases"].items())[:5]))
     for g in report["stack_groups"]:
         lines.append("")
         lines.append(f"stack group: ranks {','.join(map(str, g['ranks']))} — {g['category']}"
@@ -380,12 +389,15 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str], out=None) -> int:
-    p = Parser(prog="trainwatch diagnose", usage_hint="usage: trainwatch diagnose JOB [--json]")
+    p = Parser(prog="trainwatch diagnose", usage_hint="usage: trainwatch diagnose JOB [--json] [--all-ranks]")
     p.add_argument("job")
     p.add_argument("--json", action="store_true")
     p.add_argument("--native", action="store_true", help="include native frames (slower)")
     p.add_argument("--timeout", type=float, default=8.0, help="overall time budget in seconds")
     p.add_argument("--node", default=None, help="only the ranks of this node (a multi-node job)")
+    p.add_argument("--all-ranks", action="store_true",
+                   help=f"list every rank (default above {SUMMARY_ABOVE} ranks: the culprits and the ranks that "
+                   "stand out, with a summary of the rest)")
     args = p.parse_args(argv)
     if not 1.0 <= args.timeout <= 3600:
         return fail(f"--timeout must be between 1 and 3600 seconds; got {args.timeout}")
@@ -395,6 +407,8 @@ def main(argv: list[str], out=None) -> int:
         report = collect(args.job, native=args.native, timeout_s=args.timeout, node=args.node)
     except state.StateError as e:
         return fail(str(e))
+    if not args.all_ranks:
+        report = summarise(report)
     if as_json:
         print(json.dumps(report, indent=2, default=str), file=out)
     else:

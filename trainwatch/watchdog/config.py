@@ -53,10 +53,19 @@ class SidecarConfig:
     at 8 ranks a round costs ~1 ms of CPU, so the watchdog stays under 1% of a core."""
     snapshot_s: float = 2.0
     """Seconds between telemetry.json snapshots (what `diagnose` reads once a job ended)."""
+    metrics_detail: str = "rank"
+    """What the Prometheus exporter sends: rank (a handful of per-rank series, node and job aggregates),
+    node (aggregates only) or job (job aggregates, counters and GPUs); series per rank are what a scrape
+    of thousands of ranks pays for."""
     kernel_log: str | None = field(default=None, metadata={"flag": False})
     """A file followed as the kernel log instead of /dev/kmsg (`--kernel-log`)."""
     faults: list = field(default_factory=list, metadata={"flag": False})
     """Hardware faults to inject (`--inject xid/ecc`): the sidecar plays the GPU's part."""
+
+    def __post_init__(self) -> None:
+        from trainwatch.watchdog.aggregates import check_detail
+
+        check_detail(self.metrics_detail)
 
     def to_json(self) -> dict:
         return flags.to_json(self)

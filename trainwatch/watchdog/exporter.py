@@ -6,7 +6,6 @@ slot table into metric families, so a job that is never scraped pays nothing.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import Iterator, Protocol
@@ -18,9 +17,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 from prometheus_client.registry import Collector
 
-from trainwatch import kinds
+from trainwatch import kinds, slots
 from trainwatch.diagnostics.goodput import CAUSES
 from trainwatch.rankrow import RankRow
+from trainwatch.watchdog import aggregates
+from trainwatch.watchdog.aggregates import JOB_LABEL
 
 IDLE_TIMEOUT_S = 10.0
 """A scraper connection that sends nothing for this long is closed: idle or
@@ -79,6 +80,12 @@ class StepHistogram:
             np.add.at(self.sums, r, mean[ok] * n[ok])
         self._step[ranks], self._pid[ranks], self._progress[ranks] = step, pid, progress
 
+    def node_series(self) -> tuple[list[int], float]:
+        """Cumulative bucket counts (incl. +Inf) and sum over every rank: one histogram per node."""
+        if not len(self.counts):
+            return [0] * (len(self.buckets) + 1), 0.0
+        return np.cumsum(self.counts.sum(axis=0)).tolist(), float(self.sums.sum())
+
     def series(self):
         """(rank, cumulative bucket counts incl. +Inf, sum) for every rank seen,
         from 0 before its first step, so increase() counts that step too."""
@@ -94,6 +101,10 @@ class Source(Protocol):
     step_hist: StepHistogram
     incident_counts: dict[str, int]
 
+    last_table: object
+    """The last read of the slot table (None before the first)."""
+
+    def clock(self) -> float: ...
     def rows(self) -> list[RankRow]: ...
     def open_incidents(self) -> list[dict]: ...
     def straggler_ratios(self) -> dict[int, float]: ...
@@ -107,90 +118,53 @@ class TrainwatchCollector(Collector):
 
     def collect(self) -> Iterator:
         sc = self.sidecar
-        job = sc.job
-        labels = ["job", "node", "rank"]
-        step = GaugeMetricFamily("trainwatch_step", "Last completed training step.", labels=labels)
-        loss = GaugeMetricFamily("trainwatch_loss", "Loss reported at the last step.", labels=labels)
-        grad = GaugeMetricFamily("trainwatch_grad_norm", "Gradient norm reported at the last step.", labels=labels)
-        age = GaugeMetricFamily(
-            "trainwatch_last_progress_age_seconds",
-            "Seconds since the rank last made progress (a step, a batch, an evaluation forward).", labels=labels
-        )
-        phase = GaugeMetricFamily(
-            "trainwatch_phase", "Current phase of the rank (1 for the active phase).", labels=labels + ["phase"]
-        )
-        seq = GaugeMetricFamily(
-            "trainwatch_collective_seq",
-            "Last collective sequence number per process group.",
-            labels=labels + ["pg", "state"],
-        )
-        hb = GaugeMetricFamily(
-            "trainwatch_heartbeat_age_seconds",
-            "Seconds since the rank's background thread last ran (stale: GIL held or process stopped).",
-            labels=labels,
-        )
-        ratio = GaugeMetricFamily(
-            "trainwatch_straggler_slowdown_ratio",
-            "Rank compute time over the group median (1.0 = typical).",
-            labels=labels,
-        )
-        lr = GaugeMetricFamily("trainwatch_learning_rate", "Learning rate of the optimizer's first param group at the "
-                               "last step.", labels=labels)
-        scale = GaugeMetricFamily("trainwatch_loss_scale", "Mixed-precision loss scale (GradScaler) after the last step.",
-                                  labels=labels)
-        zeros = GaugeMetricFamily("trainwatch_zero_grad_fraction", "Fraction of gradient elements exactly zero at the "
-                                  "last step (0-1).", labels=labels)
-        phase_s = GaugeMetricFamily("trainwatch_phase_seconds", "Seconds the last step spent in each phase (data, "
-                                    "backward, optimizer).", labels=labels + ["phase"])
-        trend = GaugeMetricFamily("trainwatch_loss_trend_slope", "Robust (Theil-Sen) slope of the loss over the loss "
-                                  "trend window, in loss units per step (above 0: rising).", labels=labels)
-        ratios = sc.straggler_ratios()
-        slopes = _loss_slopes(sc)
-        for r in sc.rows():
-            lv = [job, r.node, str(r.rank)]
-            step.add_metric(lv, float(r.step))
-            if r.loss is not None:
-                loss.add_metric(lv, r.loss)
-            if r.grad_norm is not None:
-                grad.add_metric(lv, r.grad_norm)
-            age.add_metric(lv, r.last_progress_s)
-            if r.heartbeat_age_s is not None:
-                hb.add_metric(lv, r.heartbeat_age_s)
-            phase.add_metric(lv + [r.phase], 1.0)
-            for g in r.groups:
-                seq.add_metric(lv + [str(g.pg), "enqueued"], float(g.enqueued))
-                seq.add_metric(lv + [str(g.pg), "completed"], float(g.completed))
-            x = ratios.get(r.rank)
-            if x is not None and math.isfinite(x):
-                ratio.add_metric(lv, x)
-            for family, value in ((lr, r.lr), (scale, r.loss_scale), (zeros, r.zero_grad_frac),
-                                  (trend, slopes.get(r.rank))):
-                if value is not None and math.isfinite(value):
-                    family.add_metric(lv, value)
-            for name, seconds in r.phase_times.items():
-                phase_s.add_metric(lv + [name], seconds)
-        yield from (step, loss, grad, age, phase, seq, hb, ratio, lr, scale, zeros, phase_s, trend)
+        job, node = sc.job, sc.node
+        config = getattr(sc, "config", None)
+        detail = getattr(config, "metrics_detail", "rank")
+        # Aggregates from the last read's columns; rows are decoded only for the
+        # per-rank series (a node's few ranks).
+        table = getattr(sc, "last_table", None)
+        if table is None:
+            table = np.zeros(0, dtype=slots.slot_dtype())
+        values = aggregates.table_values(table, sc.clock(), sc.straggler_ratios(), _loss_slopes(sc))
+        if detail == "rank":
+            yield from aggregates.rank_families(sc.rows(), values, job)
+        if detail in ("rank", "node"):
+            labels = {JOB_LABEL: job, "node": node}
+            yield from aggregates.stat_families("node", labels, values)
+            yield from aggregates.table_collectives("node", labels, table)
+            ranks = GaugeMetricFamily("trainwatch_node_ranks", "Ranks of this node reporting.",
+                                      labels=[JOB_LABEL, "node"])
+            ranks.add_metric([job, node], float(len(values["step"][0])))
+            yield ranks
+        jobwide = getattr(sc, "jobwide", None)
+        if jobwide is None:  # a single-node job: this node is the job
+            yield from aggregates.stat_families("job", {JOB_LABEL: job}, values)
+            yield from aggregates.table_collectives("job", {JOB_LABEL: job}, table)
+        phases = getattr(sc, "phase_clock", None)
+        if phases is not None:
+            yield phases.family(job, node)
 
-        hist = HistogramMetricFamily(
-            "trainwatch_step_duration_seconds", "Training step duration.", labels=labels
-        )
+        hist = HistogramMetricFamily("trainwatch_step_duration_seconds", "Training step duration, every step of "
+                                     "the node's ranks.", labels=[JOB_LABEL, "node"])
         h = sc.step_hist
-        for rank, cumulative, total in h.series():
+        cumulative, total = h.node_series()
+        if len(h.sums):  # from 0 once a rank was seen, so increase() counts the first step too
             buckets = [(str(b), float(c)) for b, c in zip(h.buckets, cumulative)] + [("+Inf", float(cumulative[-1]))]
-            hist.add_metric([job, sc.node, str(rank)], buckets, total)
+            hist.add_metric([job, node], buckets, total)
         yield hist
 
         incidents = CounterMetricFamily(
-            "trainwatch_incidents", "Incidents raised, by kind.", labels=["job", "node", "kind"]
+            "trainwatch_incidents", "Incidents raised, by kind.", labels=[JOB_LABEL, "node", "kind"]
         )
         # Every known kind starts at 0, so increase() counts the first incident too.
         counts = dict.fromkeys(INCIDENT_KINDS, 0) | sc.incident_counts
         for kind, n in sorted(counts.items()):
-            incidents.add_metric([job, sc.node, kind], float(n))
+            incidents.add_metric([job, node, kind], float(n))
         yield incidents
         yield from _open_incidents(job, sc)
-        restarts = CounterMetricFamily("trainwatch_restarts", "Worker group restarts.", labels=["job", "node"])
-        restarts.add_metric([job, sc.node], float(sc.restarts()))
+        restarts = CounterMetricFamily("trainwatch_restarts", "Worker group restarts.", labels=[JOB_LABEL, "node"])
+        restarts.add_metric([job, node], float(sc.restarts()))
         yield restarts
         yield from _goodput(job, sc)
         yield from sc.hardware_metrics()
@@ -205,9 +179,9 @@ def _open_incidents(job: str, sc: Source) -> Iterator:
     rules page on these, so a fault pages once however long it lasts, and stops
     when it is resolved."""
     opened = GaugeMetricFamily("trainwatch_incident_open", "Incidents open now (detected, not yet resolved), by kind "
-                               "and severity.", labels=["job", "node", "kind", "severity"])
+                               "and severity.", labels=[JOB_LABEL, "node", "kind", "severity"])
     age = GaugeMetricFamily("trainwatch_incident_open_age_seconds", "How long the oldest open incident of each kind "
-                            "has been open (s).", labels=["job", "node", "kind"])
+                            "has been open (s).", labels=[JOB_LABEL, "node", "kind"])
     counts = {(k.name, k.severity): 0 for k in kinds.KINDS.values()}
     oldest: dict[str, float] = {}
     now = time.time()
@@ -232,10 +206,10 @@ def _goodput(job: str, sc: Source) -> Iterator:
     if account is None:
         return
     ratio = GaugeMetricFamily("trainwatch_goodput_ratio", "Productive training time over wall time since the job "
-                              "started (0-1).", labels=["job", "node"])
+                              "started (0-1).", labels=[JOB_LABEL, "node"])
     ratio.add_metric([job, sc.node], account.ratio)
     badput = CounterMetricFamily("trainwatch_badput_seconds", "Wall time lost, by cause (startup, detection, "
-                                 "capture_checkpoint, restart, recompute, hung).", labels=["job", "node", "cause"])
+                                 "capture_checkpoint, restart, recompute, hung).", labels=[JOB_LABEL, "node", "cause"])
     for cause in CAUSES:
         badput.add_metric([job, sc.node, cause], account.badput_s.get(cause, 0.0))
     yield ratio

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from trainwatch.diagnostics import kernel_log, xid
+from trainwatch.watchdog.aggregates import JOB_LABEL
 from trainwatch.watchdog.incident import Incident
 from trainwatch.watchdog.nvml import NO_GPU_MESSAGE, NvmlPoller, XidEventWatcher, map_gpus_to_local_ranks
 
@@ -246,7 +247,8 @@ class HardwareMonitor:
     # ---- metrics ------------------------------------------------------------------
 
     def metrics(self, job: str, node: str) -> Iterator:
-        labels = ["job", "node", "gpu", "rank"]
+        # UUID as DCGM exporter spells it, so these series join with its series.
+        labels = [JOB_LABEL, "node", "gpu", "rank", "UUID"]
         fams = {
             "util": GaugeMetricFamily("trainwatch_gpu_utilization_ratio", "GPU busy fraction (0-1).", labels=labels),
             "mem": GaugeMetricFamily("trainwatch_gpu_memory_used_bytes", "GPU memory in use.", labels=labels),
@@ -266,7 +268,7 @@ class HardwareMonitor:
                                       labels=labels + ["xid", "severity"])
         rank_of = {g: lr for lr, g in self.gpu_of_local_rank.items()}
         for s in self.samples:
-            lv = [job, node, str(s.index), str(rank_of.get(s.index, ""))]
+            lv = [job, node, str(s.index), str(rank_of.get(s.index, "")), s.uuid or ""]
             for key, value in (("util", None if s.utilization_pct is None else s.utilization_pct / 100.0),
                                ("mem", s.memory_used_bytes), ("memt", s.memory_total_bytes),
                                ("temp", s.temperature_c), ("power", s.power_w),

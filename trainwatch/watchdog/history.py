@@ -48,10 +48,10 @@ def _num(value: float, digits: int = 6) -> float | None:
 
 
 class HistoryWriter:
-    """Appends samples of every rank. The sidecar calls maybe_sample()
-    every tick; it costs one clock read unless a sample is due (at most one
-    line per `interval_s`), and it never raises: a full disk costs the
-    history, never the watchdog."""
+    """Appends samples of every rank, at most one line per `interval_s`; it
+    never raises: a full disk costs the history, never the watchdog. The
+    sidecar's tick claims a due sample (one clock read) and its writer thread
+    decodes and appends it (trainwatch.watchdog.writer)."""
 
     def __init__(self, path: Path, *, interval_s: float = SAMPLE_INTERVAL_S, max_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
@@ -73,10 +73,21 @@ class HistoryWriter:
         """Append a sample if one is due (or `force`: the sidecar's last round).
         `rows` (the sidecar's decoded ranks) and `ratios` (the straggler
         detector's slowdown ratios) are only called then."""
+        now = self.claim(force=force)
+        return now is not None and self.sample(rows, ratios, now)
+
+    def claim(self, *, force: bool = False) -> float | None:
+        """The time of the sample due now, marked as taken; None when none is due.
+        The sidecar's tick claims; its writer thread then takes the sample."""
         now = self.clock()
         if not force and now - self._last < self.interval_s:
-            return False
+            return None
         self._last = now
+        return now
+
+    def sample(self, rows: Callable[[], list[RankRow]], ratios: Callable[[], dict[int, float]] | None,
+               now: float) -> bool:
+        """Append the sample claimed at `now`; never raises."""
         try:
             record = self.record(rows(), ratios() if ratios is not None else {}, now)
             if record["r"]:

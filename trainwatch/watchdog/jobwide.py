@@ -39,6 +39,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from trainwatch import kinds, rankrow, slots
 from trainwatch.capture import capture_ranks
 from trainwatch.jobstore import JobStore
+from trainwatch.watchdog import aggregates
+from trainwatch.watchdog.aggregates import JOB_LABEL
 from trainwatch.watchdog.detectors.base import TickView
 from trainwatch.watchdog.engine import DetectorEngine
 from trainwatch.watchdog.incident import Incident
@@ -314,7 +316,7 @@ class JobWideNode:
         per job, not once per node. Rejected store records: every node."""
         rejected = CounterMetricFamily(
             "trainwatch_store_rejected", "Records in the rendezvous store that did not open with the job's "
-            "secret (forged, replayed under another key, or another job's); never acted on.", labels=["job", "node"])
+            "secret (forged, replayed under another key, or another job's); never acted on.", labels=[JOB_LABEL, "node"])
         rejected.add_metric([self.sidecar.job, self.sidecar.node], float(self.store.rejected))
         yield rejected
         if self.aggregator is None:
@@ -334,11 +336,17 @@ class JobWideNode:
         }
         job = self.sidecar.job
         for name, (doc, value) in values.items():
-            g = GaugeMetricFamily(name, doc, labels=["job"])
+            g = GaugeMetricFamily(name, doc, labels=[JOB_LABEL])
             g.add_metric([job], float(value))
             yield g
-        c = CounterMetricFamily("trainwatch_job_incidents", "Job-wide incidents, by kind.", labels=["job", "kind"])
-        # The job-scope kinds start at 0, so increase() counts the first one too.
-        for kind, n in sorted((dict.fromkeys(JOB_INCIDENT_KINDS, 0) | self.incident_counts).items()):
+        c = CounterMetricFamily("trainwatch_job_incidents", "Job-wide incidents, by kind.", labels=[JOB_LABEL, "kind"])
+        for kind, n in sorted(self.incident_counts.items()):
             c.add_metric([job, kind], float(n))
         yield c
+        # The job's aggregates, bounded by the signals whatever the number of
+        # ranks, from the table's columns: no row decoded at thousands of ranks.
+        det = self.aggregator.engine.detector("straggler")
+        ratios = det.current_ratios() if det is not None else {}
+        values = aggregates.table_values(table, self.sidecar.clock(), ratios, {})
+        yield from aggregates.stat_families("job", {JOB_LABEL: job}, values)
+        yield from aggregates.table_collectives("job", {JOB_LABEL: job}, table)

@@ -25,7 +25,7 @@ from trainwatch.inject import spec as inject
 from trainwatch.usage import printable
 from trainwatch.views.summary import failure_summary
 from trainwatch.watchdog import failures, guard, prescan, preflight, rendezvous, warmstart
-from trainwatch.watchdog.options import PREEMPTED_EXIT, LaunchConfig, LaunchError, parse
+from trainwatch.watchdog.options import PREEMPTED_EXIT, LaunchConfig, LaunchError, parse, print_config
 
 log = logging.getLogger("trainwatch")
 
@@ -115,6 +115,9 @@ def _worker_command(args: argparse.Namespace, cmd, cmd_args: list[str]) -> tuple
 def launch(argv: list[str], announced: tuple[str, state.JobDir, liveness.RunLock] | None = None) -> int:
     """Run the job. `announced`: what `prescan.announce(argv)` returned when the
     caller announced the launch before importing this module (the CLI does)."""
+    if prescan.prescan_print_config(argv):  # says what a launch would run with, runs nothing
+        sys.stdout.write(print_config(argv))
+        return 0
     with guard.StartUp() as undo:  # a failed start: one line, and what it made is undone
         if announced is None:
             try:

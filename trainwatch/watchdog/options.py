@@ -15,6 +15,7 @@ from pathlib import Path
 
 from trainwatch import env, flags, jobstore, state
 from trainwatch.inject import spec as inject
+from trainwatch.watchdog import configfile
 from trainwatch.watchdog.config import FLAG_ALIASES, SidecarConfig, launch_flags
 
 DEFAULT_MODULE = "trainwatch.trainer"
@@ -85,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     # trainwatch restarts hung or crashed jobs by default (torchrun: 0).
     parser.set_defaults(max_restarts=int(os.environ.get("PET_MAX_RESTARTS", DEFAULT_MAX_RESTARTS)))
     tw = parser.add_argument_group("trainwatch")
+    tw.add_argument("--config", default=None, metavar="FILE",
+                    help="Read launch and watchdog options from this TOML file (or $TRAINWATCH_CONFIG); "
+                    "TRAINWATCH_* variables beat it, flags beat both.")
+    tw.add_argument("--print-config", action="store_true",
+                    help="Print the effective configuration (file, environment and flags merged) as TOML and exit.")
     tw.add_argument("--job", default=None, help="Job name (default: generated and printed).")
     tw.add_argument("--inject", action="append", default=[], metavar="KIND[:key=val,...]",
                     help=f"Inject a fault for testing (repeatable). Kinds: {', '.join(sorted(inject.KINDS))}.")
@@ -124,15 +130,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Read before anything heavy is imported (trainwatch.watchdog.prescan); kept importable from here.
-from trainwatch.watchdog.prescan import prescan_job, prescan_node_scope, prescan_option  # noqa: E402,F401
+from trainwatch.watchdog.prescan import (_options, config_path, prescan_job, prescan_node_scope,  # noqa: E402,F401
+                                         prescan_option, prescan_print_config)
 
 
-def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Namespace, LaunchConfig]:
+def parse(argv: list[str], default_job: str | None = None, *,
+          check_trainer: bool = True) -> tuple[argparse.Namespace, LaunchConfig]:
     parser = build_parser()
+    table = configfile.settings(parser, launch_flags())
+    try:
+        defaults = configfile.layered_defaults(table, config_path(argv))
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    # The script and its arguments come as one: the file's only when the command line names none.
+    script, script_args = defaults.pop("training_script", None), defaults.pop("training_script_args", [])
+    parser.set_defaults(**defaults)
     try:
         args = parser.parse_args(argv)
     except _ParseError as e:
         raise LaunchError(f"{e} (see `trainwatch launch --help`)") from None
+    if args.training_script is None and script is not None:
+        args.training_script, args.training_script_args = script, list(script_args)
     _check_torchrun_options(args)
     job = args.job if args.job is not None else (default_job or state.generate_job_name())
     try:
@@ -167,7 +185,7 @@ def parse(argv: list[str], default_job: str | None = None) -> tuple[argparse.Nam
     if not args.no_python:
         check_entry(args.training_script, module=bool(args.module))
     secret = _job_secret(args)
-    if args.module and args.training_script == DEFAULT_MODULE:
+    if check_trainer and args.module and args.training_script == DEFAULT_MODULE:
         check_trainer_args(job, args.training_script_args)
     return args, LaunchConfig(job=job, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                               faults=faults, sidecar=sidecar, nan_policy=args.nan_policy,
@@ -204,6 +222,12 @@ def _max_nodes(args: argparse.Namespace) -> int:
     from torch.distributed.run import parse_min_max_nnodes
 
     return parse_min_max_nnodes(str(args.nnodes))[1]
+
+
+def print_config(argv: list[str]) -> str:
+    """`trainwatch launch --print-config`: the effective configuration as a config file."""
+    args, config = parse(argv, check_trainer=False)
+    return configfile.effective(configfile.settings(build_parser(), launch_flags()), args, config.sidecar)
 
 
 def _check_torchrun_options(args: argparse.Namespace) -> None:

@@ -11,40 +11,72 @@ import os
 import socket
 
 from trainwatch import env, liveness, state
+from trainwatch.watchdog import configfile
 
 # torchrun and trainwatch options that take no value (every other option does).
-_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--insecure-store", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module",
-                    "-h", "--help"})
+_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--insecure-store", "--print-config", "--no-python",
+                    "--no_python", "--run-path", "--run_path", "-m", "--module", "-h", "--help"})
 
 
 def prescan_job(argv: list[str]) -> str | None:
     """The --job value, read without torchrun's parser (which imports torch):
-    options before the script only. None when not given."""
-    return prescan_option(argv, "--job")
+    options before the script only, then the config file. None when not given."""
+    return _prescan_layered(argv, "--job", "job")
 
 
 def prescan_node_scope(argv: list[str]) -> str | None:
     """This node's name when the job spans several nodes (its state is kept per
     node, see env.NODE_SCOPE), else None."""
-    nnodes = prescan_option(argv, "--nnodes") or "1"
+    nnodes = _prescan_layered(argv, "--nnodes", "nnodes") or "1"
     if nnodes.rpartition(":")[2].strip() in ("", "1"):
         return None
-    name = prescan_option(argv, "--node-name") or socket.gethostname()
+    name = _prescan_layered(argv, "--node-name", "node_name") or socket.gethostname()
     return name if state.JOB_NAME_RE.fullmatch(name) else None
 
 
+def prescan_print_config(argv: list[str]) -> bool:
+    """Whether `--print-config` is among the options before the script."""
+    return any(token == "--print-config" for token, _ in _options(argv))
+
+
+def config_path(argv: list[str]) -> str | None:
+    """The config file: `--config FILE` before the script, else $TRAINWATCH_CONFIG."""
+    return prescan_option(argv, "--config") or os.environ.get(configfile.CONFIG_ENV) or None
+
+
+def _prescan_layered(argv: list[str], option: str, dest: str) -> str | None:
+    given = prescan_option(argv, option)
+    if given is not None:
+        return given
+    try:
+        return configfile.prescan_value(config_path(argv), dest)
+    except ValueError as e:
+        raise state.StateError(str(e)) from None
+
+
 def prescan_option(argv: list[str], option: str) -> str | None:
+    for token, value in _options(argv):
+        if token == option and value is not None:
+            return value
+    return None
+
+
+def _options(argv: list[str]):
+    """(option, value or None) before the script or module; what follows it is its own."""
     i = 0
     while i < len(argv):
         token = argv[i]
-        if token == option and i + 1 < len(argv):
-            return argv[i + 1]
-        if token.startswith(option + "="):
-            return token.split("=", 1)[1]
-        if not token.startswith("-") or token in ("-m", "--module"):
-            return None  # the script or module: what follows is its own
-        i += 1 if token in _FLAGS or token.startswith("--no-") or "=" in token else 2
-    return None
+        if token.startswith("-") and "=" in token:
+            yield tuple(token.split("=", 1))
+        elif not token.startswith("-") or token in ("-m", "--module"):
+            yield token, None
+            return
+        elif token in _FLAGS or token.startswith("--no-"):
+            yield token, None
+        else:
+            yield token, argv[i + 1] if i + 1 < len(argv) else None
+            i += 1
+        i += 1
 
 
 def announce(argv: list[str]) -> tuple[str, state.JobDir, liveness.RunLock]:

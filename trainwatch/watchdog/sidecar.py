@@ -12,6 +12,7 @@ exporter never freeze behind a capture.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from trainwatch.watchdog.detectors import default_detectors
 from trainwatch.watchdog.detectors.base import RankExit, TickView
 from trainwatch.watchdog.detectors.base import rank_exit_from_line as _rank_exit
 from trainwatch.watchdog.engine import DetectorEngine
+from trainwatch.watchdog.aggregates import PhaseClock
 from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, serve_metrics
 from trainwatch.watchdog.hardware import HardwareMonitor
 from trainwatch.watchdog.history import HistoryWriter
@@ -41,6 +43,7 @@ from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.goodput import GoodputFeed
 from trainwatch.watchdog.recovery import RestartTracker
 from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate, incident_step
+from trainwatch.watchdog.writer import BackgroundWriter, snapshot_job, submit_writes
 
 log = logging.getLogger("trainwatch.sidecar")
 
@@ -86,6 +89,7 @@ class Sidecar:
         self._open_keys: dict[str, str] = {}
         """Engine key -> id of the open incident this node's engine raised."""
         self.step_hist = StepHistogram()
+        self.phase_clock = PhaseClock()
         self._exits_offset = 0
         self._hardware: list = []
         detectors = detectors if detectors is not None else default_detectors(self.config.detectors)
@@ -142,6 +146,7 @@ class Sidecar:
         self.last_table = live
         self.last_nodes = [self.node] * len(live)
         self.step_hist.observe(live)
+        self.phase_clock.observe(live, self.clock())
         if len(live):
             self.goodput.read(live, self.segment.nslots)
             restart = self.recovery.observe(live)
@@ -160,20 +165,11 @@ class Sidecar:
         return rankrow.rows_json(self.rows())
 
     def write_snapshot(self) -> None:
-        record = {"node": self.node, "time": time.time(), "ranks": self.snapshot(),
-                  "hang_thresholds": self.thresholds.describe(), "thresholds": self.thresholds_in_force()}
-        gpus = next((h.snapshot() for h in self._hardware if hasattr(h, "snapshot")), None)
-        if gpus is not None:
-            record["gpus"] = gpus  # per-GPU utilisation and memory for `diagnose`
-        self.thresholds.maybe_save()
-        if self.jobwide is not None and not self.jobwide.store_failed:
-            try:
-                record["job_ranks"] = self.jobwide.job_rows()
-            except Exception:  # the store is gone: this node's ranks still count
-                pass
-        if (goodput := self.goodput_now()) is not None:
-            record["goodput"] = goodput.to_json()
-        state.write_json_atomic(self.dir.telemetry_file, record, durable=False)
+        """telemetry.json from the last read, written now (the loop writes it on its writer thread)."""
+        self.snapshot_job()()
+
+    def snapshot_job(self) -> Callable[[], None]:
+        return snapshot_job(self)
 
     def thresholds_in_force(self) -> dict:
         """The hang thresholds the detector holds now (floor, k and each rank's
@@ -311,12 +307,20 @@ class Sidecar:
             self.tracer.finish(span, {})
         return record
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event, writer: BackgroundWriter | None = None) -> None:
         # One bad round is logged and never ends the loop: a watchdog that dies
-        # on the first odd slot is worse than none.
+        # on the first odd slot is worse than none. Files are written on the
+        # writer thread: at thousands of ranks they take longer than a tick.
+        writer = writer if writer is not None else BackgroundWriter()
+        # What exists now (modules, torch's objects when a store is used, the
+        # detectors) lives as long as the process: the cycle collector need not
+        # walk it again. At thousands of ranks every round allocates enough to
+        # trigger collections, and a full one over all of it is a pause of
+        # hundreds of milliseconds between two rounds.
+        gc.freeze()
         interval_s = self.config.tick_s
         next_at = time.monotonic()
-        last_snapshot = 0.0
+        last_snapshot = -float("inf")
         while not stop.is_set():
             if self.launcher_pid and not procctl.parent_alive(self.launcher_pid):
                 # The launcher died without stopping us: its metrics would go
@@ -324,10 +328,11 @@ class Sidecar:
                 print("[trainwatch] the launcher is gone; the sidecar stops", file=self.out, flush=True)
                 break
             try:
+                self.tick_started(time.monotonic())
                 self.tick()
-                self.history.maybe_sample(self.rows, self.straggler_ratios)
-                if time.monotonic() - last_snapshot >= self.config.snapshot_s:
-                    self.write_snapshot()
+                due = time.monotonic() - last_snapshot >= writer.spacing("snapshot", self.config.snapshot_s)
+                submit_writes(self, writer, snapshot=due)
+                if due:
                     last_snapshot = time.monotonic()
             except Exception:
                 log.exception("trainwatch sidecar: tick failed")
@@ -345,8 +350,9 @@ class Sidecar:
                 opened = record.get("opened_time")
                 self.resolve(incident_id, time.time() - opened if isinstance(opened, (int, float)) else 0.0,
                              1, "the job ended")
-            self.history.maybe_sample(self.rows, self.straggler_ratios, force=True)
-            self.write_snapshot()
+            submit_writes(self, writer, snapshot=True, force=True)
+            if not writer.close():
+                log.warning("trainwatch sidecar: the final snapshot was still being written when it stopped")
             if (goodput := self.goodput_now()) is not None and goodput.wall_s > 0:
                 print(f"[trainwatch] {goodput.line()}", file=self.out, flush=True)
             self.thresholds.maybe_save(force=True)
@@ -358,6 +364,9 @@ class Sidecar:
             log.exception("trainwatch sidecar: final snapshot failed")
         if self.responder is not None:
             self.responder.close()
+
+    def tick_started(self, at: float) -> None:
+        """Called at the start of every round of run() (its monotonic time); a hook for measuring the period."""
 
     def close(self) -> None:
         for source in self._hardware:

@@ -1,0 +1,7 @@
+"""`python -m trainwatch`: the same as the `trainwatch` command."""
+
+import sys
+
+from trainwatch.cli import main
+
+sys.exit(main())
