@@ -62,7 +62,7 @@ FAULTS = {
                "nothing: the process is alive to torchrun's poll; the peers wait in gloo for 30 min"),
     "straggler": (f"straggler:delay=0.3,rank={CULPRIT},step=5", "straggler", "nothing: the job just runs slower"),
     # The same straggler in an unmodified DDP script (FAULT_WORKLOAD): found by collective arrival order.
-    "straggler_zero_code": (f"straggler:delay=0.3,rank={CULPRIT},step=5", "straggler",
+    "straggler_zero_code": (f"straggler:delay=0.3,rank={CULPRIT},step=30", "straggler",
                             "nothing: the job just runs slower"),
     "nan": (f"nan:rank={CULPRIT},step=30", "loss_nan", "nothing: training continues on NaN weights"),
     "spike": (f"spike:rank={CULPRIT},step=60", "loss_spike", "nothing"),

@@ -668,12 +668,13 @@ def test_any_arrival_slot_contents_never_break_the_detector(rounds):
                          ids=["flight-recorder", "flight-recorder-off"])
 def test_zero_code_straggler_in_an_unmodified_ddp_script(tmp_path, fr_buffer, source):
     """4 real gloo ranks of an unmodified DDP script (no trainwatch import); rank 2
-    sleeps 0.3 s before every batch from step 5. With the flight recorder (on by
+    sleeps 0.3 s before every batch from step 30 (after the healthy steps that set
+    each rank's own arrival baseline). With the flight recorder (on by
     default) the arrivals name it; with TORCH_FR_BUFFER_SIZE=0 the zero-code
     compute time (step time less backward, where DDP's all-reduce waits) does."""
     job = f"zc-straggler-{uuid.uuid4().hex[:6]}"
     proc = start(tmp_path, "launch", "--nproc-per-node", "4", "--job", job, "--no-restart",
-                 "--inject", "straggler:delay=0.3,rank=2,step=5", str(SCRIPTS / "plain_ddp.py"), "--steps", "100000",
+                 "--inject", "straggler:delay=0.3,rank=2,step=30", str(SCRIPTS / "plain_ddp.py"), "--steps", "100000",
                  TORCH_FR_BUFFER_SIZE=fr_buffer)
     try:
         def found():
