@@ -277,16 +277,19 @@ def _is_progress_kind(kind: str) -> bool:
 
 
 def _new_process(before: dict[int, tuple[int, int]], now: dict[int, tuple[int, int]]) -> bool:
-    """True when every culprit still present is a new process (a restart)."""
+    """True when every culprit still present is a new process (a restart) that has
+    trained: a restarted job is over its fault once it steps again, not when its
+    processes start (the incident stays open through rendezvous and loading)."""
     common = [r for r in now if r in before and r >= 0]
-    return bool(common) and all(now[r][0] != before[r][0] for r in common)
+    return bool(common) and all(now[r][0] != before[r][0] and now[r][1] > 0 for r in common)
 
 
 def _advanced(before: dict[int, tuple[int, int]], now: dict[int, tuple[int, int]]) -> bool:
     """True when every culprit still present moved on since the last firing:
-    a later step, or a new process (a restart may resume at an earlier step)."""
+    a later step, or a new process that has stepped (a restart may resume at
+    an earlier step)."""
     common = [r for r in now if r in before]
-    return bool(common) and all(now[r][0] != before[r][0] or now[r][1] > before[r][1] for r in common)
+    return bool(common) and all(now[r][1] > (0 if now[r][0] != before[r][0] else before[r][1]) for r in common)
 
 
 # ---- benchmark ----------------------------------------------------------------------
