@@ -118,7 +118,9 @@ def test_a_hang_is_one_story_in_every_reader(tmp_path, floor):
 
 def test_a_persistent_straggler_and_a_nan_streak_are_one_incident_each(tmp_path):
     job = "story-straggler"
-    proc, log_path = launch(tmp_path, job, "--no-restart", "--inject", "straggler:delay=0.3,rank=1,step=5",
+    # --nan-policy alert: the trainer trains on through the NaN (the default stops and rolls back).
+    proc, log_path = launch(tmp_path, job, "--no-restart", "--nan-policy", "alert",
+                            "--inject", "straggler:delay=0.3,rank=1,step=5",
                             "--inject", "nan:rank=0,step=15", *TRAINER, "--max-steps", "100000")
     try:
         t0 = time.monotonic()
