@@ -268,6 +268,7 @@ def test_a_node_that_rejoins_gets_its_peers_state(tmp_path):
     from trainwatch import netbind
 
     job, port = name("rejoin"), netbind.free_port()
+    secret = uuid.uuid4().hex
     homes = [tmp_path / "home0", tmp_path / "home1"]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-again.log"]
     procs: list[subprocess.Popen] = []
@@ -279,8 +280,9 @@ def test_a_node_that_rejoins_gets_its_peers_state(tmp_path):
                "--rdzv-conf", "last_call_timeout=3", "--max-restarts", "5", *TINY, "--max-steps", "400",
                "--ckpt-interval", "20"]
         with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, env=env_for(homes[i]), stdout=f, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                    start_new_session=True)
+            # A multi-node job needs its secret on every node (the store's records are sealed with it).
+            proc = subprocess.Popen(cmd, env=env_for(homes[i], TRAINWATCH_JOB_SECRET=secret), stdout=f,
+                                    stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True)
         procs.append(proc)
         return proc
 
