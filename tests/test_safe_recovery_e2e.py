@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -318,3 +319,9 @@ def test_a_node_that_rejoins_gets_its_peers_state(tmp_path):
         for home in homes:
             if home.exists():
                 reap(home)
+        # Node 1's first launcher was killed and its relaunch took over its records:
+        # the killed run's segment is named by this job alone, and removed here.
+        from trainwatch import slots as _slots
+
+        for leftover in Path(_slots.default_segment_dir()).glob(f"trainwatch-{os.getuid()}-{job}@*.slots"):
+            leftover.unlink(missing_ok=True)
