@@ -83,3 +83,15 @@ def _skip_gpu_tests(items) -> None:
 def pytest_collection_modifyitems(config, items):
     _shuffle(config, items)
     _skip_gpu_tests(items)
+
+
+@pytest.fixture
+def store():
+    """A real c10d TCPStore on loopback (the rendezvous store a multi-node job
+    shares): (address, server)."""
+    from datetime import timedelta
+
+    from trainwatch import netbind
+
+    server = netbind.bound_store("127.0.0.1", 0, timeout=timedelta(seconds=10))
+    return f"127.0.0.1:{server.port}", server

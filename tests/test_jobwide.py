@@ -3,14 +3,12 @@ the aggregator's job table and detectors, node loss on an injected clock."""
 
 from __future__ import annotations
 
-from datetime import timedelta
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainwatch import netbind, slots
+from trainwatch import slots
 from trainwatch.jobstore import JobStore
 from trainwatch.watchdog.detectors import default_detectors
 from trainwatch.watchdog.engine import DetectorEngine, _SyntheticJob
@@ -31,11 +29,6 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
-
-@pytest.fixture
-def store():
-    server = netbind.bound_store("127.0.0.1", 0, timeout=timedelta(seconds=10))
-    return f"127.0.0.1:{server.port}", server
 
 
 def test_a_summary_round_trips_and_anything_else_is_none():

@@ -5,7 +5,6 @@ losses nor stack frames are readable from the store without it."""
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 
 import pytest
 from hypothesis import given, settings
@@ -30,11 +29,6 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
-
-@pytest.fixture
-def store():
-    server = netbind.bound_store("127.0.0.1", 0, timeout=timedelta(seconds=10))
-    return f"127.0.0.1:{server.port}", server
 
 
 @settings(max_examples=200, deadline=None)
