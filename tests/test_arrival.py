@@ -710,3 +710,17 @@ def test_a_rank_last_by_role_is_no_straggler_until_it_falls_behind_its_own_basel
     found = run(StragglerDetector(), ArrivalJob(4), 60, slower)
     assert found and found[0][1].culprit_ranks == [0]
     assert found[0][1].evidence["baseline_lateness_s"][0] == pytest.approx(0.2, abs=0.02)
+
+
+def test_a_rank_slow_from_its_first_step_is_named_by_its_compute_time():
+    """A bad GPU is slow from the first step: the arrivals never saw it on time,
+    so their own-baseline rule takes its lateness for a role and stays silent.
+    Its compute time, 3x its peers' at every step, names it, and the arrivals,
+    which see it late, do not clear it."""
+    compute = np.array([0.1, 0.3, 0.1, 0.1])
+    slow = straggler_from(0, rank=1, delay=0.2)
+    found = run(StragglerDetector(), ArrivalJob(4, startup=0), 40, slow, compute=compute)
+    assert found and {tuple(inc.culprit_ranks) for _, inc in found} == {(1,)}
+    assert found[0][1].evidence["source"] == "compute" and found[0][0] <= 15
+    # A role that computes like its peers is still no straggler.
+    assert run(StragglerDetector(), ArrivalJob(4, startup=0), 40, slow, compute=np.full(4, 0.1)) == []

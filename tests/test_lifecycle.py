@@ -220,3 +220,30 @@ def test_never_healthy_while_an_incident_is_open():
     assert (v.category, v.culprit_ranks) == ("straggler", [2])
     v = verdict.decide(rows([0.05, 0.05]), incidents=[fault | {"status": "resolved"}, slow | {"status": "resolved"}])
     assert v.category == "healthy"
+
+
+def test_a_fault_still_open_across_its_restart_is_not_healthy():
+    """The restarted ranks step before the sidecar's next round closes the hang:
+    diagnose says recovering, not healthy, until the incident is resolved."""
+    fault = {"kind": "hang", "id": "n-1-1", "culprit_ranks": [1], "summary": "rank 1 stuck", "runbook": "hang",
+             "category": "dataloader", "status": "open"}
+    restart = {"kind": "restart", "incident": "n-1-1"}
+    v = verdict.decide(rows([0.05, 0.05]), incidents=[fault, restart])
+    assert (v.category, v.culprit_ranks, v.runbook) == ("dataloader", [1], "hang")
+    assert v.summary.startswith("recovering after") and "n-1-1" in v.summary
+    assert verdict.decide(rows([0.05, 0.05]), incidents=[fault | {"status": "resolved"}, restart]).category == "healthy"
+    # An alert that was open before the restart is not carried: the new run has its own.
+    slow = {"kind": "straggler", "id": "n-1-2", "culprit_ranks": [1], "summary": "rank 1 slow", "status": "open"}
+    assert verdict.decide(rows([0.05, 0.05]), incidents=[slow, restart]).category == "healthy"
+
+
+def test_ranks_torn_down_for_a_restart_are_not_a_new_failure():
+    """Between the watchdog stopping the ranks and the agent marking the job
+    restarting, every pid is gone: the verdict is the open fault, not
+    `child_failed` of every rank."""
+    fault = {"kind": "hang", "id": "n-1-1", "culprit_ranks": [1], "summary": "rank 1 stuck", "runbook": "hang",
+             "category": "dataloader", "status": "open", "restart": {"requested": True}}
+    gone = [r | {"pid": 100 + r["rank"], "state": "gone"} for r in rows([0.05, 0.05])]
+    v = verdict.decide(gone, incidents=[fault])
+    assert (v.category, v.culprit_ranks) == ("dataloader", [1]) and v.summary.startswith("restarting after")
+    assert verdict.decide(gone).category == "child_failed"

@@ -117,6 +117,10 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
     # Only incidents of the current run of the worker group count as live.
     incidents = list(incidents)
     last_restart = max((i for i, x in enumerate(incidents) if x.get("kind") == "restart"), default=-1)
+    # ...except a fault that stopped training and is still open: it stays open
+    # across its restart until its ranks complete a step, and diagnose says so.
+    recovering = [i for i in incidents[:last_restart + 1] if i.get("status") == "open"
+                  and getattr(kinds.spec(str(i.get("kind"))), "resolution", None) is kinds.Resolution.PROGRESS]
     incidents = incidents[last_restart + 1:]
     mismatch = next((i for i in reversed(incidents) if i.get("kind") == "collective_mismatch"), None)
     if mismatch is not None:
@@ -145,15 +149,20 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
     stall_s = max(FLOOR_S, K * median(step_s)) if step_s else FLOOR_S
     limits = _thresholds(ranks, thresholds, stall_s)
     stalled = [r for r in ranks if (r.get("last_progress_s") or 0) > limits[r["rank"]]]
-    still_open = [i for i in incidents if i.get("status", "open") == "open" and i.get("kind") in kinds.KINDS]
+    still_open = recovering + [i for i in incidents if i.get("status", "open") == "open" and i.get("kind") in kinds.KINDS]
     fault = next((i for i in reversed(still_open) if i.get("kind") not in ALERT_ONLY_KINDS), None)
+    if gone and fault is not None:
+        # Ranks gone while a fault is open: the fault (a crash's culprit), or
+        # the teardown of the restart it asked for, not a new failure of them all.
+        asked = bool((fault.get("restart") or {}).get("requested")) if isinstance(fault.get("restart"), dict) else False
+        return _from_open(fault, groups, prefix="restarting after" if asked else "open incident")
     if gone:
         culprits = sorted(r["rank"] for r in gone)
         return Verdict("child_failed", culprits, f"{_fmt(culprits)} exited; its peers cannot make progress",
                        _runbook_for("child_failed", None), 0.85,
                        [f"rank {r['rank']}: process {r['pid']} is gone" for r in gone])
     if not stalled and fault is not None:
-        return _from_open(fault, groups)
+        return _from_open(fault, groups, prefix="recovering after" if fault in recovering else "open incident")
     if not stalled:
         lp = max((r.get("last_progress_s") or 0) for r in ranks)
         typical = median(step_s) if step_s else 0.0

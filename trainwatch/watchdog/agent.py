@@ -8,6 +8,7 @@ sidecar, and sidecar-requested restarts through torchelastic's own restart path.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -33,6 +34,8 @@ TEARDOWN_S = 5.0
 """Grace a worker gets after SIGTERM before SIGKILL (torchelastic waits 30 s). Its
 state was already saved by the emergency checkpoint; waiting longer only delays
 the restart."""
+_SHUTDOWN_TAKES_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
+"""torch 2.13's agent takes a teardown grace; some other releases (2.11) do not."""
 
 
 class TrainwatchAgent(LocalElasticAgent):
@@ -115,7 +118,15 @@ class TrainwatchAgent(LocalElasticAgent):
                 os.kill(pid, signal.SIGCONT)
             except OSError:
                 pass
-        super()._shutdown(death_sig, min(timeout, TEARDOWN_S))
+        if _SHUTDOWN_TAKES_TIMEOUT:
+            super()._shutdown(death_sig, min(timeout, TEARDOWN_S))
+            return
+        # A torch whose agent closes its workers with its own fixed grace:
+        # close them with ours first; its own close then finds them gone.
+        pcontext = getattr(self, "_pcontext", None)
+        if pcontext is not None:
+            pcontext.close(death_sig, min(timeout, TEARDOWN_S))
+        super()._shutdown(death_sig)
 
     def _checkpoint_for_preemption(self, sig: signal.Signals) -> None:
         """A scheduler's notice (SIGTERM, Slurm's SIGUSR1): every rank that

@@ -126,6 +126,12 @@ class ArrivalEvaluator:
         at = np.where(inside, ranks, 0)
         return inside & ((self._streak[at] > 0) | self._late[at])
 
+    def confirming(self, ranks: np.ndarray) -> np.ndarray:
+        """Which of these ranks the arrivals are persisting on (behind their own baseline): their
+        own incident is coming. A rank late by role or since it started has no streak."""
+        inside = (ranks >= 0) & (ranks < len(self._streak))
+        return inside & (self._streak[np.where(inside, ranks, 0)] > 0)
+
     def _grow(self, size: int) -> None:
         self._pid = grow(self._pid, size, 0)
         self._gen = grow(self._gen, size, 0)

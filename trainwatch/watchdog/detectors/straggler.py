@@ -194,13 +194,16 @@ class StragglerDetector(Detector):
         theirs, and a new one they see late is left for them to confirm. A
         compute incident already being reported stays while the arrivals still
         see its culprit late: a gap would make their confirmation a second
-        incident for the same rank."""
+        incident for the same rank. A rank they see late from its start (no own
+        baseline on time) is compute time's to report: a GPU slow from the first
+        step is the commonest straggler."""
         if self._arrival is None or not self._arrival.active or compute is None:
             return [x for x in (arrival, compute) if x is not None]
         culprits = np.asarray(compute.culprit_ranks, dtype=np.int64)
         judged = np.isin(culprits, self._arrival.covered)
         theirs = arrival is not None and bool(np.isin(culprits, arrival.culprit_ranks).any())
-        if theirs or (judged & ~self._arrival.slow(culprits)).any() or (judged.any() and not self._compute_shown):
+        confirming = (judged & self._arrival.confirming(culprits)).any()
+        if theirs or (judged & ~self._arrival.slow(culprits)).any() or (confirming and not self._compute_shown):
             return [arrival] if arrival is not None else []
         return [x for x in (arrival, compute) if x is not None]
 
