@@ -15,13 +15,14 @@ PKG = ROOT / "trainwatch"
 # What each part may import (besides itself); see docs/architecture.md.
 BASE = {"trainwatch.slots", "trainwatch.env", "trainwatch.flags", "trainwatch.usage", "trainwatch.historyfile",
         "trainwatch.checkpoint", "trainwatch.finite", "trainwatch.ckptschema", "trainwatch.diagnostics",
-        "trainwatch.procctl", "trainwatch.netbind", "trainwatch.kinds", "trainwatch.records"}
+        "trainwatch.procctl", "trainwatch.netbind", "trainwatch.kinds", "trainwatch.records", "trainwatch.codec"}
 LEVEL2 = BASE | {"trainwatch.rankrow", "trainwatch.state", "trainwatch.capture", "trainwatch.liveness",
                  "trainwatch.jobstore", "trainwatch"}
 ALLOWED = {
     "trainwatch.diagnostics": {"trainwatch.diagnostics", "trainwatch.slots", "trainwatch.kinds"},
     "trainwatch.kinds": set(),
     "trainwatch.records": set(),
+    "trainwatch.codec": set(),
     "trainwatch.slots": set(),
     "trainwatch.env": set(),
     "trainwatch.flags": set(),

@@ -538,12 +538,20 @@ def test_panels_show_the_injected_faults(finished_run):
 
 
 @pytest.mark.slow
-def test_alerts_fired_during_the_run(finished_run):
+def test_alerts_fired_during_the_run(finished_run, prometheus):
     url, start, end = finished_run
+    home = prometheus[1]
     fired = promql(url, f'ALERTS{{trainwatch_job="{JOB}",alertstate="firing"}}', start=start, end=end, step=1)["result"]
     names = {s["metric"]["alertname"] for s in fired}
     assert "TrainwatchJobHung" in names, names
     assert "TrainwatchGpuXid" in names, names  # Xid 13 is not critical: a warning
+    # The hang the job recovered from in seconds stops paging within a rule
+    # interval or two (1 s here) of its resolution, not minutes later.
+    [hang] = [e for e in events(home, JOB) if e["kind"] == "hang"]
+    hung = [s for s in fired if s["metric"]["alertname"] == "TrainwatchJobHung"]
+    last_firing = max(float(t) for s in hung for t, _ in s["values"])
+    assert hang["status"] == "resolved" and last_firing <= hang["resolved_time"] + 5.0, (
+        last_firing - hang["resolved_time"])
     groups = requests.get(f"{url}/api/v1/rules", timeout=10).json()["data"]["groups"]
     rules = [rule for g in groups for rule in g["rules"]]
     assert len(rules) == len(alert_rules())

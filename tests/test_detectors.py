@@ -1293,3 +1293,46 @@ def test_loss_health_mode_is_validated():
 
     with pytest.raises(ValueError, match="--loss-health must be one of auto, off, nan-only, full"):
         LossHealthConfig(health="some")
+
+
+def test_a_rank_that_lost_its_peer_is_a_victim_never_a_culprit():
+    """Rank 2 was killed; ranks 0 and 1 failed on their own a moment later with
+    gloo's "Connection closed by peer" (recorded in the errors file), and the
+    launcher happened to see rank 0 first: rank 2 is the culprit all the same."""
+    det = ExitDetector()
+    exits = [
+        RankExit(rank=0, local_rank=0, pid=10, exitcode=1, node="n", first=True, peer_lost=True),
+        RankExit(rank=2, local_rank=2, pid=12, exitcode=-9, signal_name="SIGKILL", node="n", first=True),
+        RankExit(rank=1, local_rank=1, pid=11, exitcode=1, node="n", peer_lost=True),
+    ]
+    [inc] = det.check(TickView.from_table(5.0, make_table(4), exits=exits))
+    assert inc.culprit_ranks == [2] and inc.victims == [0, 1] and "lost contact with it" in inc.summary
+
+
+def test_ranks_that_lost_a_peer_on_another_node_name_no_culprit_here():
+    """A node died: this node's ranks fail with a lost peer. The fault is not
+    here (the aggregator's node_lost names it): no survivor is a culprit."""
+    det = ExitDetector()
+    exits = [RankExit(rank=r, local_rank=r, pid=10 + r, exitcode=1, node="n0", first=True, peer_lost=True)
+             for r in (0, 1)]
+    [inc] = det.check(TickView.from_table(5.0, make_table(2), exits=exits))
+    assert inc.kind == "crash" and inc.culprit_ranks == [] and inc.victims == [0, 1]
+    assert "lost contact with a peer" in inc.summary and inc.evidence["peer_lost"] is True
+    # the launcher's teardown of whatever is left is part of it
+    assert det.check(TickView.from_table(6.0, make_table(2), exits=[rank_exit(1, -15)])) == []
+
+
+def test_the_teardown_after_a_lost_peer_is_part_of_the_lost_contact():
+    """Rank 1 lost its peer on another node; the launcher then stopped rank 0
+    with SIGTERM: no rank of this node is a culprit."""
+    det = ExitDetector()
+    exits = [RankExit(rank=1, local_rank=1, pid=11, exitcode=1, node="n0", first=True, peer_lost=True),
+             RankExit(rank=0, local_rank=0, pid=10, exitcode=-15, signal_name="SIGTERM", node="n0")]
+    [inc] = det.check(TickView.from_table(5.0, make_table(2), exits=exits))
+    assert inc.culprit_ranks == [] and inc.victims == [0, 1]
+    # A rank killed here first (the OOM killer) is still a culprit, with the lost contact its victim.
+    det = ExitDetector()
+    exits = [RankExit(rank=0, local_rank=0, pid=10, exitcode=-9, signal_name="SIGKILL", node="n0", first=True),
+             RankExit(rank=1, local_rank=1, pid=11, exitcode=1, node="n0", peer_lost=True)]
+    [inc] = det.check(TickView.from_table(5.0, make_table(2), exits=exits))
+    assert inc.culprit_ranks == [0] and inc.victims == [1]

@@ -148,6 +148,9 @@ def test_a_lost_node_is_named_and_the_survivor_stops_cleanly(nodes, kill):
                     what="node_lost on node 0")
     took = time.monotonic() - t0
     assert lost[0]["nodes"] == ["n1"] and lost[0]["culprit_ranks"] == [2, 3], lost
+    # The survivors' lost connections are victims of the lost node, never culprits.
+    crashes = [e for e in events(nodes.homes[0], nodes.job) if e["kind"] == "crash"]
+    assert not [e for e in crashes if set(e.get("culprit_ranks") or []) & {0, 1}], crashes
     assert took < 15, took  # the hang threshold (5 s) plus the summary interval, with room for a busy machine
     code = nodes.procs[0].wait(timeout=180)
     out = nodes.log(0)
@@ -218,3 +221,27 @@ def test_an_outsider_without_the_secret_takes_no_action(tmp_path):
         assert "Traceback" not in nodes.log(0) + nodes.log(1)
     finally:
         nodes.stop()
+
+
+def test_losing_the_rendezvous_host_is_named_on_the_surviving_node(tmp_path):
+    """Node 0 holds the job's store. When it is killed, node 1 says that the
+    rendezvous host is gone (not that a rendezvous timed out), in its console
+    and as a node_lost incident in its own records, and exits non-zero."""
+    nodes = Nodes(tmp_path)
+    try:
+        nodes.start("--rdzv-timeout", "10", *TRAINER, "--max-steps", "100000")
+        wait_for(lambda: len(diagnose(nodes.homes[1], nodes.job)["ranks"]) == 4, 120, interval=0.5,
+                 what="both nodes training")
+        os.killpg(nodes.procs[0].pid, signal.SIGKILL)
+        code = nodes.procs[1].wait(timeout=180)
+        out = nodes.log(1)
+        assert code != 0 and "succeeded" not in out, out[-3000:]
+        assert f"rendezvous host 127.0.0.1:{nodes.port} no longer answers" in out, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        lost = [e for e in events(nodes.homes[1], nodes.job) if e["kind"] == "node_lost"]
+        assert lost and "rendezvous host" in lost[-1]["summary"], lost
+        crashes = [e for e in events(nodes.homes[1], nodes.job) if e["kind"] == "crash"]
+        assert not [e for e in crashes if set(e.get("culprit_ranks") or []) & {2, 3}], crashes
+    finally:
+        nodes.stop()
+

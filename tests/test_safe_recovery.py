@@ -290,3 +290,32 @@ def test_a_job_ending_on_a_nan_loss_is_named(tmp_path, monkeypatch):
     state.append_line(job.errors_file, json.dumps(_rec(type="NonFiniteEnd", rank=0, stepped=True, step=80)))
     assert failures.nonfinite_end(job, table, 2, "r1").startswith("rank 0's last reported loss")
     assert os.environ["TRAINWATCH_HOME"] == str(tmp_path) and Path(tmp_path).is_dir()
+
+
+def test_a_lost_peer_is_told_from_a_fault_of_the_rank_itself(tmp_path):
+    path = tmp_path / "errors.jsonl"
+    recs = [_rec(rank=0, type="RuntimeError", message="[gloo] Connection closed by peer [10.0.0.2]:29500"),
+            _rec(rank=1, type="DistBackendError", message="NCCL error: remote process exited or there was a network error"),
+            _rec(rank=2, type="ValueError", message="bad batch"),
+            _rec(rank=3, generation=1, type="RuntimeError", message="Connection reset by peer")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert failures.peer_lost_ranks(path, "r1", 0) == {0, 1}
+    assert failures.peer_lost_ranks(path, "r1", 1) == {3}
+    assert failures.peer_lost_ranks(tmp_path / "missing", "r1", 0) == set()
+
+
+def test_a_lost_rendezvous_host_is_told_from_a_rendezvous_timeout():
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    lost, why = failures.rendezvous_lost(RendezvousConnectionError("The connection to the C10d store has failed."),
+                                         "10.0.0.1:29500")
+    assert lost and "rendezvous host 10.0.0.1:29500 no longer answers" in why and "--rdzv-endpoint" in why
+    try:  # the store's own error, under a rendezvous error
+        try:
+            raise ConnectionResetError("Connection reset by peer")
+        except ConnectionResetError as inner:
+            raise RuntimeError("rendezvous failed") from inner
+    except RuntimeError as outer:
+        assert failures.rendezvous_lost(outer, "h:1")[0]
+    lost, why = failures.rendezvous_lost(RendezvousTimeoutError("timed out"), "h:1")
+    assert not lost and "--rdzv-timeout" in why

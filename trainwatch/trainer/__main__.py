@@ -114,8 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as e:
         if not peer_lost(e):
             raise
-        print(f"error: lost contact with another rank ({str(e).splitlines()[0][:160]}); that rank's own "
-              "error above says why", file=sys.stderr, flush=True)
+        line = (str(e).splitlines() or [""])[0][:160]
+        print(f"error: lost contact with another rank ({line}); the rank that failed first says why (its own "
+              "error, here or in its node's log)", file=sys.stderr, flush=True)
+        import trainwatch
+
+        # Recorded as a lost peer: the watchdog makes this rank a victim, not a culprit.
+        trainwatch.init().record_failure(type(e).__name__, line, None)
         return EXIT_PEER_LOST
     return 0
 

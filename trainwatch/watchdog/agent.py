@@ -8,6 +8,7 @@ sidecar, and sidecar-requested restarts through torchelastic's own restart path.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -21,9 +22,10 @@ from typing import Any, Callable
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from trainwatch import env, slots, state
+from trainwatch import codec, env, slots, state
 from trainwatch.watchdog import failures, warmstart
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
+from trainwatch.watchdog.detectors.base import RankExit
 from trainwatch.usage import printable
 
 log = logging.getLogger("trainwatch")
@@ -263,6 +265,7 @@ class TrainwatchAgent(LocalElasticAgent):
             local_rank = worker.local_rank if worker else failure.local_rank
             lines.append(exit_line(rank, local_rank, failure.pid, failure.exitcode, node=self.node, run=self.run_id,
                                    first=local_rank in self._first_failed))
+        mark_peer_lost(lines, self.dir.errors_file, self.run_id, self.restart_count)
         for line in lines:
             if line["pid"] not in self._reported_early:
                 state.append_line(self.dir.exits_file, json.dumps(line))
@@ -296,6 +299,7 @@ class TrainwatchAgent(LocalElasticAgent):
         # records the crash now, not when torchelastic's poll reports it; a rank
         # that left early is said first, so its peers' failures read as its victims.
         by_local = {w.local_rank: w for w in self._worker_group.workers}
+        early_lines = []
         for lr in sorted(self._early_exits) + sorted(failed):
             worker, pid = by_local.get(lr), getattr(handlers[lr].proc, "pid", None)
             if worker is not None and isinstance(pid, int) and pid not in self._reported_early:
@@ -304,7 +308,10 @@ class TrainwatchAgent(LocalElasticAgent):
                                  first=lr in self._first_failed)
                 if lr in self._early_exits:
                     line["early"] = True
-                state.append_line(self.dir.exits_file, json.dumps(line))
+                early_lines.append(line)
+        mark_peer_lost(early_lines, self.dir.errors_file, self.run_id, self.restart_count)
+        for line in early_lines:
+            state.append_line(self.dir.exits_file, json.dumps(line))
         alive = [lr for lr, code in codes.items() if code is None]
         if not alive:
             return
@@ -341,13 +348,19 @@ class TrainwatchAgent(LocalElasticAgent):
         return request
 
 
-def exit_line(rank: int, local_rank: int, pid: int, exitcode: int | None, *, node: str, run: str, first: bool) -> dict:
-    """One record of exits.jsonl (what the sidecar's exit detector reads)."""
-    signal_name = None
-    if exitcode is not None and exitcode < 0:
-        try:
-            signal_name = signal.Signals(-exitcode).name
-        except ValueError:
-            signal_name = f"SIG{-exitcode}"
-    return {"rank": rank, "local_rank": local_rank, "pid": pid, "exitcode": exitcode, "signal_name": signal_name,
-            "node": node, "run": run, "time": time.time(), "first": first}
+def exit_line(rank: int, local_rank: int, pid: int, exitcode: int, *, node: str, run: str, first: bool) -> dict:
+    """One record of exits.jsonl (what the sidecar's exit detector reads): a RankExit, with its run and time."""
+    record = dataclasses.replace(RankExit.from_exitcode(rank=rank, local_rank=local_rank, pid=pid,
+                                                        exitcode=int(exitcode), node=node), first=first)
+    return codec.encode(record) | {"run": run, "time": time.time()}
+
+
+def mark_peer_lost(lines: list[dict], errors_file, run: str, generation: int) -> None:
+    """Exits whose rank recorded a lost peer as its error: victims, not culprits (exits.py)."""
+    failing = [line for line in lines if isinstance(line.get("exitcode"), int) and line["exitcode"] > 0]
+    if not failing:
+        return
+    lost = failures.peer_lost_ranks(errors_file, run, generation)
+    for line in failing:
+        if line["rank"] in lost:
+            line["peer_lost"] = True

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainwatch import state
+from trainwatch import codec, state
+from trainwatch.codec import check
 
 TRANSIENT_TYPES = frozenset({
     "DistNetworkError", "DistStoreError", "DistBackendError", "TimeoutError", "ConnectionError",
@@ -38,6 +39,12 @@ TRANSIENT_MARKERS = (
     "remote process exited", "network error", "out of memory", "Socket Timeout", "ECONNRESET", "ECONNREFUSED",
 )
 """Words of a transient failure in an exception's message, whatever its type."""
+PEER_LOST_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted",
+    "remote process exited", "ncclRemoteError", "NCCL Error 6", "ECONNRESET",
+)
+"""Words of a collective that failed because another rank (here or on another node) went away:
+the rank that says them is a victim of that rank, not a fault of its own."""
 DETERMINISTIC_MARKERS = ("EADDRINUSE", "address already in use", "Address already in use")
 """Words that make a failure deterministic even in a transient type: a port in use stays in use."""
 MAX_BYTES = 4 << 20
@@ -48,34 +55,25 @@ MAX_BYTES = 4 << 20
 class RankFailure:
     """One rank's recorded exception."""
 
-    rank: int
+    rank: int = field(metadata=check(min=0))
     """Global rank."""
-    generation: int
+    generation: int = field(metadata=check(min=0))
     """Worker generation (0: the first start, one more per restart)."""
-    step: int
+    step: int = field(metadata=check(min=0))
     """The last step the rank finished (0: none)."""
     stepped: bool
     """Whether the rank finished any step in this generation."""
-    type: str
+    type: str = field(metadata=check(max_len=200))
     """The exception's class name."""
-    message: str
+    message: str = field(metadata=check(max_len=1000))
     """The last line of its message."""
-    where: str
+    where: str = field(metadata=check(max_len=500))
     """The user's file:line it was raised from ('' when unknown)."""
 
     @classmethod
     def from_json(cls, data: object) -> RankFailure | None:
         """A record of the errors file, or None for anything of another shape."""
-        if not isinstance(data, dict):
-            return None
-        ints = [data.get(k) for k in ("rank", "generation", "step")]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
-            return None
-        text = [data.get(k) for k in ("type", "message", "where")]
-        if not all(isinstance(v, str) for v in text) or not isinstance(data.get("stepped"), bool):
-            return None
-        return cls(rank=ints[0], generation=ints[1], step=ints[2], stepped=data["stepped"], type=text[0][:200],
-                   message=text[1][:1000], where=text[2][:500])
+        return codec.decode(cls, data)
 
     @property
     def line(self) -> str:
@@ -86,11 +84,22 @@ class RankFailure:
         return f"rank {self.rank}" + (f" ({self.where})" if self.where else "") + f": {self.line}"
 
     @property
+    def peer_lost(self) -> bool:
+        """Failed because another rank went away (its connection closed, its communicator aborted)."""
+        text = f"{self.type}: {self.message}"
+        return any(m in text for m in PEER_LOST_MARKERS)
+
+    @property
     def transient(self) -> bool:
         text = f"{self.type}: {self.message}"
         if any(m in text for m in DETERMINISTIC_MARKERS):
             return False
         return self.type in TRANSIENT_TYPES or any(m in text for m in TRANSIENT_MARKERS)
+
+
+def peer_lost_ranks(path: Path, run: str, generation: int) -> set[int]:
+    """Ranks of generation `generation` whose recorded failure is a lost peer."""
+    return {f.rank for f in read_failures(path, run) if f.generation == generation and f.peer_lost}
 
 
 def read_failures(path: Path, run: str) -> list[RankFailure]:
@@ -159,3 +168,26 @@ def _when(iso: object) -> float:
         return datetime.fromisoformat(str(iso)).timestamp()
     except ValueError:
         return 0.0
+
+
+STORE_GONE_MARKERS = (
+    "Connection refused", "Connection reset", "Broken pipe", "failed to connect", "Failed to connect",
+    "connection to the C10d store has failed", "ECONNREFUSED", "ECONNRESET", "Socket closed", "recvValue failed",
+)
+"""Words of a rendezvous store that no longer answers (its host is gone), not of a wait that ran out."""
+
+
+def rendezvous_lost(e: BaseException, endpoint: str) -> tuple[bool, str]:
+    """Why the nodes did not meet again, in words: (the rendezvous host is gone, what to say)."""
+    seen, chain, x = set(), [], e
+    while x is not None and id(x) not in seen and len(chain) < 8:
+        seen.add(id(x))
+        chain.append(f"{type(x).__name__}: {x}")
+        x = x.__cause__ or x.__context__
+    text = " | ".join(chain)
+    if type(e).__name__ != "RendezvousTimeoutError" and (
+            type(e).__name__ == "RendezvousConnectionError" or any(m in text for m in STORE_GONE_MARKERS)):
+        return True, (f"the rendezvous host {endpoint} no longer answers: the node holding the job's store (node "
+                      "rank 0's launcher) was lost, and the other nodes cannot meet again without it; launch the "
+                      "job again with --rdzv-endpoint on a live node")
+    return False, "a node was lost and no replacement joined within the rendezvous timeout (--rdzv-timeout)"

@@ -353,10 +353,17 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         # torchelastic's summary quotes the ranks' own error files: shown, never acted on by the terminal.
         print(printable(f"[trainwatch] job {config.job} failed: {e}"), file=sys.stderr, flush=True)
     except RENDEZVOUS_ERRORS as e:
+        host_lost, why = failures.rendezvous_lost(e, launch_config.rdzv_endpoint)
         print(printable(f"[trainwatch] job {config.job} failed: the nodes did not meet again ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); a node was lost and no "
-                        "replacement joined within the rendezvous timeout (--rdzv-timeout)"), file=sys.stderr,
+                        f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); {why}"), file=sys.stderr,
               flush=True)
+        if host_lost:  # this node survived the one that held the store: its incident, in its own records
+            job_dir.append_event({"kind": "node_lost", "id": f"{node}-{run_id}-rdzv-host", "severity": "critical",
+                                  "runbook": "node-lost", "culprit_ranks": [], "victims": [], "node": node,
+                                  "summary": f"node_lost: {why}", "time": time.time(),
+                                  "evidence": {"node": "rendezvous host", "endpoint": launch_config.rdzv_endpoint}})
+            job_dir.append_event({"kind": "resolved", "incident": f"{node}-{run_id}-rdzv-host", "count": 1,
+                                  "duration_s": 0.0, "reason": "the job ended", "time": time.time()})
     except KeyboardInterrupt:
         status, code = "stopped", 130
     except Exception as e:  # SignalException from torchelastic on SIGTERM/SIGINT

@@ -11,7 +11,9 @@ instead of claiming a number.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -36,7 +38,9 @@ def fault_began(record: dict, table) -> float | None:
     if table is None or not culprits or not len(table):
         return None
     rows = table[np.isin(table["rank"], list(culprits))]
-    return float(rankrow.progress_mono(rows).min()) if len(rows) else None
+    seen = rankrow.progress_mono(rows) if len(rows) else np.zeros(0)
+    seen = seen[seen > 0]  # 0: never made progress (not a time: the clock's epoch is the machine's boot)
+    return float(seen.min()) if len(seen) else None
 
 
 class RestartTracker:
@@ -58,6 +62,10 @@ class RestartTracker:
         # A job incident taken from another node carries that node's monotonic
         # clock: not comparable with ours, so it times nothing here.
         detected = record.get("detected_mono") if record.get("scope") != "job" else None
+        when = record.get("time")
+        if detected is None and isinstance(when, (int, float)) and math.isfinite(when):
+            # ...its wall-clock time is: that long ago on our clock.
+            detected = self.clock() - min(max(0.0, time.time() - float(when)), 600.0)
         fault: dict[str, Any] = {"kind": record.get("kind"), "culprit_ranks": record.get("culprit_ranks") or [],
                                  "detected_mono": detected or self.clock(), "id": record.get("id")}
         began = fault_began(record, table)
@@ -100,10 +108,13 @@ class RestartTracker:
         first_step_done = float(new["progress_mono"].max())
         started = float(new["start_mono"].min())
         timing = state.read_json(self.job.restart_timing_file) or {}
+        # When the fault began is known from its culprits' rows on this node; for a
+        # culprit elsewhere only the detection is, and the recovery is timed from it.
+        known = fault.get("fault_mono") is not None
         t_fault = fault.get("fault_mono", fault.get("detected_mono"))
         requested = fault.get("requested_mono") or timing.get("stop_begin")
         breakdown = {
-            "detect_s": _delta(t_fault, fault.get("detected_mono")),
+            "detect_s": _delta(t_fault, fault.get("detected_mono")) if known else None,
             "capture_s": fault.get("capture_s", 0.0),
             "checkpoint_s": fault.get("checkpoint_s", 0.0),
             "teardown_s": _delta(requested, timing.get("stop_end")),
@@ -118,7 +129,8 @@ class RestartTracker:
             kind="restart",
             culprit_ranks=fault.get("culprit_ranks") or [],
             summary=f"restart {restart}: {where}"
-            + (f", back to training {recovery_s:.1f}s after the fault" if recovery_s is not None else "")
+            + (f", back to training {recovery_s:.1f}s after the {'fault' if known else 'detection'}"
+               if recovery_s is not None else "")
             + (f" ({parts})" if parts else ""),
             severity="info",
             runbook=None,

@@ -12,6 +12,7 @@ objects: a 4096-rank tick must stay within a few milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal as _signal
@@ -21,7 +22,7 @@ from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 
-from trainwatch import slots
+from trainwatch import codec, slots
 from trainwatch.watchdog.incident import Incident
 
 WAIT_CODES = np.array(sorted(slots.PHASE_CODES[p] for p in slots.WAIT_PHASES), dtype=np.int32)
@@ -52,6 +53,10 @@ class RankExit:
     early: bool = False
     """Exited with code 0 before it finished (its exit hooks never ran, as after
     os._exit(0)) while its peers still ran: they fail or stall for want of it."""
+    peer_lost: bool = False
+    """Its recorded error says another rank went away (a connection closed by
+    its peer, an aborted communicator): a victim of that rank, here or on
+    another node, not a fault of its own."""
 
     @classmethod
     def from_exitcode(cls, *, rank: int, local_rank: int, pid: int, exitcode: int, node: str = "") -> RankExit:
@@ -76,16 +81,12 @@ def rank_exit_from_line(line: bytes, node: str, run: str = "") -> RankExit | Non
         e = json.loads(line)
     except (ValueError, RecursionError):
         return None
-    ints = ("rank", "local_rank", "pid", "exitcode")  # true/false, 1.5, "3", Infinity: not a rank exit
-    if not isinstance(e, dict) or not all(isinstance(e.get(k), int) and not isinstance(e[k], bool) for k in ints):
+    if not isinstance(e, dict) or (run and e.get("run") != run):
         return None
-    if run and e.get("run") != run:
-        return None
-    signal_name = e.get("signal_name")
-    return RankExit(rank=e["rank"], local_rank=e["local_rank"], pid=e["pid"], exitcode=e["exitcode"],
-                    signal_name=signal_name if isinstance(signal_name, str) else None,
-                    node=e["node"] if isinstance(e.get("node"), str) else node, first=e.get("first") is True,
-                    early=e.get("early") is True)
+    found = codec.decode(RankExit, e)
+    if found is not None and not isinstance(e.get("node"), str):
+        found = dataclasses.replace(found, node=node)
+    return found
 
 
 @dataclass(slots=True)

@@ -38,6 +38,27 @@ class ExitDetector(Detector):
         failed = [e for e in view.exits if e.failed]
         if not failed:
             return []
+        # A rank whose collective failed because a peer went away is that
+        # peer's victim: never a culprit, whatever order the exits came in.
+        lost = [e for e in failed if e.peer_lost and e.signal_name is None]
+        failed = [e for e in failed if not (e.peer_lost and e.signal_name is None)]
+        recent = self._last_failure is not None and view.now - self._last_failure < self.config.collateral_s
+        # Nothing here failed of its own (only the launcher's teardown of the
+        # rest): the lost contact is all there is to this node's story.
+        own = [e for e in failed if e.first or e.signal_name not in self.config.teardown_signals]
+        if lost and not own or not failed:
+            if recent:
+                return []
+            self._last_failure = view.now
+            return [self._lost_contact(view, lost + failed)]
+        found = self._causes(view, failed)
+        for inc in found:
+            inc.victims = sorted(set(inc.victims) | {e.rank for e in lost})
+            if lost:
+                inc.summary += f"; {describe_ranks(e.rank for e in lost)} lost contact with it"
+        return found
+
+    def _causes(self, view: TickView, failed: list[RankExit]) -> list[Incident]:
         teardown = [e for e in failed if e.signal_name in self.config.teardown_signals]
         primary = [e for e in failed if e.signal_name not in self.config.teardown_signals]
         if any(e.first for e in failed):
@@ -59,6 +80,19 @@ class ExitDetector(Detector):
             return []
         self._last_failure = view.now
         return [self._crash(view, teardown, [])]
+
+    def _lost_contact(self, view: TickView, exits: list[RankExit]) -> Incident:
+        """Only victims failed here: the rank they lost is elsewhere (another
+        node, whose watchdog or the job's aggregator names it)."""
+        inc = self._crash(view, exits, [])
+        nodes = sorted({e.node for e in exits if e.node})
+        inc.culprit_ranks, inc.victims = [], sorted(e.rank for e in exits)
+        inc.summary = (f"crash: {describe_ranks(inc.victims)}{' on ' + ','.join(nodes) if nodes else ''} lost "
+                       f"contact with a peer that went away (its connection closed): the fault is not here; the "
+                       f"rank or node that failed first is the cause (see its node's incidents, or node_lost)")
+        inc.evidence["peer_lost"] = True
+        inc.key = "peer_lost:" + inc.key
+        return inc
 
     def _crash(self, view: TickView, exits: list[RankExit], victims: list[int]) -> Incident:
         first = exits[0]

@@ -1,0 +1,167 @@
+"""One validating codec for the typed records trainwatch writes to files and
+hands between processes (a rank's failure record, the agent's rank exits, ...).
+
+A record is a dataclass. `encode(record)` gives plain JSON values; `decode(cls,
+data)` reads them back and checks every field against its annotation and its
+`check(...)` metadata, so that the same declaration says what is written and
+what is accepted:
+
+- a required field (no default) that is missing or of the wrong type makes the
+  whole record unreadable: `decode` returns None (the reader skips it), or
+  raises `CodecError` naming the field with `strict=True`;
+- an optional field of the wrong type takes its default;
+- items of the wrong type in a list are dropped (a culprit list `[1, "x", 2]`
+  reads `[1, 2]`); strings are cut to their `max_len`;
+- keys the class does not declare are ignored (a newer writer's additions).
+
+Numbers: `bool` is never an `int` here (JSON's true is not rank 1), floats must
+be finite, `check(min=...)` bounds both. Enums are written as their value.
+Nothing here raises on hostile input except `CodecError` in strict mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_DROP = object()
+"""A value that does not fit its annotation."""
+
+
+class CodecError(ValueError):
+    """A record that does not fit its declaration (strict decoding)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Check:
+    """Bounds of one field beyond its type."""
+
+    min: float | None = None
+    """Smallest number accepted (numbers)."""
+    max_len: int | None = None
+    """Longest string kept; longer ones are cut (strings)."""
+
+
+def check(*, min: float | None = None, max_len: int | None = None) -> dict:
+    """Field metadata: `rank: int = dataclasses.field(metadata=check(min=0))`."""
+    return {"codec": Check(min=min, max_len=max_len)}
+
+
+def encode(value: Any) -> Any:
+    """A record (or any value inside one) as plain JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return encode(value.value)
+    if isinstance(value, (list, tuple)):
+        return [encode(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(encode(v) for v in value)
+    if isinstance(value, dict):
+        return {str(k): encode(v) for k, v in value.items()}
+    return value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def decode(cls: type[T], data: Any, *, strict: bool = False) -> T | None:
+    """`data` (parsed JSON) as a `cls`; None (or CodecError when strict) when it does not fit."""
+    try:
+        return _record(cls, data)
+    except CodecError:
+        if strict:
+            raise
+        return None
+    except (TypeError, ValueError, RecursionError) as e:  # a record's own __post_init__ refusing it
+        if strict:
+            raise CodecError(f"{cls.__name__}: {e}") from None
+        return None
+
+
+def _record(cls: type[T], data: Any) -> T:
+    if not isinstance(data, dict):
+        raise CodecError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
+    hints = _hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        bounds = f.metadata.get("codec", Check())
+        value = _value(hints[f.name], data[f.name], bounds) if f.name in data else _DROP
+        if value is _DROP:
+            if required:
+                problem = "missing" if f.name not in data else f"not {_describe(hints[f.name])}"
+                raise CodecError(f"{cls.__name__}.{f.name}: {problem}")
+            continue  # the default
+        values[f.name] = value
+    return cls(**values)
+
+
+def _value(annotation: Any, raw: Any, bounds: Check) -> Any:
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return raw
+    if origin is typing.Union or origin is types.UnionType:
+        options = typing.get_args(annotation)
+        if raw is None:
+            return None if type(None) in options else _DROP
+        for option in options:
+            if option is not type(None) and (got := _value(option, raw, bounds)) is not _DROP:
+                return got
+        return _DROP
+    if origin in (list, tuple, frozenset, set):
+        if not isinstance(raw, list):
+            return _DROP
+        args = typing.get_args(annotation)
+        item = args[0] if args else Any
+        kept = [v for v in (_value(item, x, bounds) for x in raw) if v is not _DROP]
+        return kept if origin is list else (tuple(kept) if origin is tuple else origin(kept))
+    if origin is dict or annotation is dict:
+        return raw if isinstance(raw, dict) else _DROP
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        try:
+            return _record(annotation, raw)
+        except CodecError:
+            return _DROP
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        try:
+            return annotation(raw)
+        except (ValueError, TypeError):
+            return _DROP
+    if annotation is bool:
+        return raw if isinstance(raw, bool) else _DROP
+    if annotation is int:
+        if not isinstance(raw, int) or isinstance(raw, bool):
+            return _DROP
+        return raw if bounds.min is None or raw >= bounds.min else _DROP
+    if annotation is float:
+        if not isinstance(raw, (int, float)) or isinstance(raw, bool):
+            return _DROP
+        try:
+            number = float(raw)
+        except OverflowError:
+            return _DROP
+        if not math.isfinite(number) or (bounds.min is not None and number < bounds.min):
+            return _DROP
+        return number
+    if annotation is str:
+        if not isinstance(raw, str):
+            return _DROP
+        return raw[:bounds.max_len] if bounds.max_len is not None else raw
+    return _DROP
+
+
+def _describe(annotation: Any) -> str:
+    name = getattr(annotation, "__name__", None)
+    return f"a {name}" if name else f"of type {annotation}"
