@@ -22,7 +22,7 @@ ALLOWED = {
     "trainwatch.diagnostics": {"trainwatch.diagnostics", "trainwatch.slots", "trainwatch.kinds"},
     "trainwatch.kinds": set(),
     "trainwatch.records": set(),
-    "trainwatch.codec": set(),
+    "trainwatch.codec": {"trainwatch.records"},
     "trainwatch.slots": set(),
     "trainwatch.env": set(),
     "trainwatch.flags": set(),

@@ -24,10 +24,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
 import types
 import typing
 from typing import Any, TypeVar
+
+from trainwatch import records
 
 T = TypeVar("T")
 
@@ -142,17 +143,12 @@ def _value(annotation: Any, raw: Any, bounds: Check) -> Any:
     if annotation is bool:
         return raw if isinstance(raw, bool) else _DROP
     if annotation is int:
-        if not isinstance(raw, int) or isinstance(raw, bool):
+        if not records.is_int(raw):
             return _DROP
         return raw if bounds.min is None or raw >= bounds.min else _DROP
     if annotation is float:
-        if not isinstance(raw, (int, float)) or isinstance(raw, bool):
-            return _DROP
-        try:
-            number = float(raw)
-        except OverflowError:
-            return _DROP
-        if not math.isfinite(number) or (bounds.min is not None and number < bounds.min):
+        number = records.finite_number(raw)
+        if number is None or (bounds.min is not None and number < bounds.min):
             return _DROP
         return number
     if annotation is str:

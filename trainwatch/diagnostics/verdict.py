@@ -154,7 +154,7 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
     if gone and fault is not None:
         # Ranks gone while a fault is open: the fault (a crash's culprit), or
         # the teardown of the restart it asked for, not a new failure of them all.
-        asked = bool((fault.get("restart") or {}).get("requested")) if isinstance(fault.get("restart"), dict) else False
+        asked = isinstance(fault.get("restart"), dict) and bool(fault["restart"].get("requested"))
         return _from_open(fault, groups, prefix="restarting after" if asked else "open incident")
     if gone:
         culprits = sorted(r["rank"] for r in gone)

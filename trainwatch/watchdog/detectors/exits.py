@@ -41,24 +41,24 @@ class ExitDetector(Detector):
         # A rank whose collective failed because a peer went away is that
         # peer's victim: never a culprit, whatever order the exits came in.
         lost = [e for e in failed if e.peer_lost and e.signal_name is None]
-        failed = [e for e in failed if not (e.peer_lost and e.signal_name is None)]
+        failed = [e for e in failed if e not in lost]
         recent = self._last_failure is not None and view.now - self._last_failure < self.config.collateral_s
         # Nothing here failed of its own (only the launcher's teardown of the
         # rest): the lost contact is all there is to this node's story.
         own = [e for e in failed if e.first or e.signal_name not in self.config.teardown_signals]
-        if lost and not own or not failed:
+        if (lost and not own) or not failed:
             if recent:
                 return []
             self._last_failure = view.now
             return [self._lost_contact(view, lost + failed)]
-        found = self._causes(view, failed)
+        found = self._causes(view, failed, recent)
         for inc in found:
             inc.victims = sorted(set(inc.victims) | {e.rank for e in lost})
             if lost:
                 inc.summary += f"; {describe_ranks(e.rank for e in lost)} lost contact with it"
         return found
 
-    def _causes(self, view: TickView, failed: list[RankExit]) -> list[Incident]:
+    def _causes(self, view: TickView, failed: list[RankExit], recent: bool) -> list[Incident]:
         teardown = [e for e in failed if e.signal_name in self.config.teardown_signals]
         primary = [e for e in failed if e.signal_name not in self.config.teardown_signals]
         if any(e.first for e in failed):
@@ -71,7 +71,6 @@ class ExitDetector(Detector):
             stop = self.config.teardown_signals[0]
             primary = [e for e in teardown if e.signal_name != stop]
             teardown = [e for e in teardown if e.signal_name == stop]
-        recent = self._last_failure is not None and view.now - self._last_failure < self.config.collateral_s
         if primary:
             self._last_failure = view.now
             victims = [e.rank for e in teardown]
