@@ -511,6 +511,47 @@ def test_mismatch_ras_across_nodes_from_half_second_summaries():
     assert when < 106.0
 
 
+def test_mismatch_ras_ranks_inside_a_skipped_collective_are_parked():
+    """Seen on a real two-node run: rank 3 (node b) skipped an all-reduce and
+    went on into its next step's backward, where it launched 28. Ranks 0-2 are
+    inside the all-reduce it skipped, but their flight recorders' last
+    snapshot reads 27 launched, 27 completed. They are parked all the same (in
+    a blocking collective call): a mismatch naming rank 3, not a hang."""
+    det = CollectiveMismatchDetector()
+    t = make_table(4, now=100.0, step=14, phase="collective", enqueued=27)
+    set_rows(t, [0, 1, 2], completed=27)
+    set_rows(t, 3, step=15, phase="backward", enqueued=28, completed=27)
+    found = []
+    for i in range(1, 80):
+        v = view(t, 100.0 + i * 0.1, nodes=["a", "a", "b", "b"])
+        v.table["heartbeat_mono"] = v.now
+        found += det.check(v)
+    assert found and found[0].kind == "collective_mismatch" and found[0].culprit_ranks == [3], found[:1]
+    assert found[0].victims == [0, 1, 2] and "rank 3 ran a step ahead" in found[0].summary
+
+
+def test_mismatch_ras_settles_on_rows_whose_times_are_rebased_every_summary():
+    """The job-wide aggregator rebases each node's monotonic times onto its own
+    clock on every summary, so a stuck rank's `progress_mono` reads a little
+    different each time. Its sequence numbers still settle: a new step or a new
+    process restarts the clock, a rebased time does not."""
+    det = CollectiveMismatchDetector()
+    t = make_table(4, now=100.0, step=14, phase="collective", enqueued=27)
+    set_rows(t, [0, 1, 2], completed=27)
+    set_rows(t, 3, step=15, phase="backward", enqueued=28, completed=27)
+    base = t["progress_mono"].copy()
+    found = []
+    for i in range(1, 60):
+        v = view(t, 100.0 + i * 0.3, nodes=["a", "a", "b", "b"])
+        v.table["progress_mono"] = base + (0.05 if i % 2 else -0.05)  # each summary's rebasing
+        v.table["heartbeat_mono"] = v.now
+        found += det.check(v)
+        if found:
+            break
+    assert found and found[0].culprit_ranks == [3], found[:1]
+    assert v.now - 100.0 < 5.0, v.now  # before the 5 s hang threshold
+
+
 def test_mismatch_ras_abstains_while_a_rank_is_stuck_elsewhere():
     """Pipeline: rank 3 hangs in data loading; its stage peer rank 2 waits in a
     recv (no collective outstanding), so rank 0's data-parallel all-reduce with

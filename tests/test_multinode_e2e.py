@@ -245,3 +245,20 @@ def test_losing_the_rendezvous_host_is_named_on_the_surviving_node(tmp_path):
     finally:
         nodes.stop()
 
+
+
+def test_a_collective_skipped_on_another_node_is_a_mismatch_naming_rank_and_node(tmp_path):
+    """Rank 3 (node 1) skips a collective: the job-wide watchdog on node 0 calls
+    it a collective_mismatch with rank 3 on n1 as the culprit, not a hang with
+    no culprit."""
+    nodes = Nodes(tmp_path)
+    try:
+        nodes.start("--inject", "hang:where=collective_skip,rank=3,step=15", "--max-restarts", "0",
+                    *TRAINER, "--max-steps", "100000")
+        found = wait_for(lambda: [e for e in events(nodes.homes[0], nodes.job)
+                                  if e["kind"] in ("collective_mismatch", "hang")], 120, what="the skip's incident")
+    finally:
+        nodes.stop()
+    first = found[0]
+    assert first["kind"] == "collective_mismatch", found
+    assert first["culprit_ranks"] == [3] and first.get("nodes") == ["n1"], first

@@ -106,7 +106,10 @@ class CollectiveMismatchDetector(Detector):
         self._since = np.zeros((0, slots.MAX_GROUPS))
         self._rounds = np.zeros((0, slots.MAX_GROUPS), dtype=np.int64)
         self._hb = np.zeros(0)
-        self._tracked = np.full(0, np.nan)
+        # The step and pid each rank had when last looked at: a new step (or a
+        # new process) restarts its clocks. Not its progress time: a remote
+        # node's times are rebased on every summary and never read equal twice.
+        self._tracked = np.full((0, 2), -1, dtype=np.int64)
 
     def check(self, view: TickView) -> list[Incident]:
         t = view.table
@@ -119,7 +122,7 @@ class CollectiveMismatchDetector(Detector):
         self._since = grow(self._since, size, 0.0)
         self._rounds = grow(self._rounds, size, 0)
         self._hb = grow(self._hb, size, 0.0)
-        self._tracked = grow(self._tracked, size, np.nan)
+        self._tracked = grow(self._tracked, size, -1)
         _, restarted = self._steps.update(t)
         if restarted.any():
             self._open, self._current, self._last_compared = None, None, 0
@@ -261,7 +264,8 @@ class CollectiveMismatchDetector(Detector):
         pgs = groups["pg"].astype(np.int64)
         # Restart the "unchanged since" clock of a rank that completed a step
         # since we last looked at it, or whose sequence numbers moved.
-        fresh = self._tracked[ranks] != sub["progress_mono"]
+        seen = np.stack([sub["step"], sub["pid"]], axis=1).astype(np.int64)
+        fresh = (self._tracked[ranks] != seen).any(axis=1)
         done = groups["completed"]
         changed = (fresh[:, None] | (enq != self._enq[ranks, :width]) | (pgs != self._pg[ranks, :width])
                    | (done != self._done[ranks, :width]))
@@ -277,7 +281,7 @@ class CollectiveMismatchDetector(Detector):
         self._pg[ranks, :width] = pgs
         self._since[ranks, :width] = since
         self._rounds[ranks, :width] = rounds
-        self._tracked[ranks] = sub["progress_mono"]
+        self._tracked[ranks] = seen
 
         ng = np.clip(sub["ngroups"], 0, slots.MAX_GROUPS)
         in_group = np.arange(width)[None, :] < ng[:, None]
@@ -288,7 +292,10 @@ class CollectiveMismatchDetector(Detector):
         # parked), or, without the flight recorder, blocked in a Python
         # collective call.
         outstanding = (in_group & (enq > done)).any(axis=1)
-        parked = np.where(sub["fr_ok"] > 0, outstanding, sub["phase"] == _COLLECTIVE)
+        # A rank inside a blocking collective call is parked too, whatever its
+        # flight recorder's last snapshot says: the ranks left waiting in the
+        # all-reduce a peer on another node skipped read `enqueued == completed`.
+        parked = outstanding & (sub["fr_ok"] > 0) | (sub["phase"] == _COLLECTIVE)
         stalled = (age[rows] >= limit) & (sub["step"] >= 1) & ~hb_stale & (sub["phase"] != _DONE)
         if not stalled.any() or (stalled & ~parked).any():
             # A stalled rank that is not waiting in a collective is hung
@@ -325,14 +332,16 @@ class CollectiveMismatchDetector(Detector):
             if op_mismatch is None and len(np.unique(raw[raw != b""])) > 1:
                 op_mismatch = (int(pg), members, [op_name(o) for o in raw], top)
         if candidates:
-            _lag, neg_pg, members, seqs, top, ops = max(candidates, key=lambda c: (c[0], c[1]))
-            return self._seq_incident(view, -neg_pg, rows[members], seqs, top, ops)
+            lag, neg_pg, members, seqs, top, ops = max(candidates, key=lambda c: (c[0], c[1]))
+            # The ranks behind in sequence are behind in steps too: they wait in
+            # the collective that the ranks ahead skipped, and ran on past.
+            return self._seq_incident(view, -neg_pg, rows[members], seqs, top, ops, ahead_skipped=lag < 0)
         if op_mismatch is not None:
             pg, members, ops, top = op_mismatch
             return self._op_incident(view, pg, rows[members], ops, top)
         return None
 
-    def _seq_incident(self, view, pg, rows, seqs, top, ops) -> Incident:
+    def _seq_incident(self, view, pg, rows, seqs, top, ops, ahead_skipped: bool = False) -> Incident:
         ranks = view.table["rank"]
         at_top = rows[seqs == top]
         parts = [f"{len(at_top)} rank{'s' if len(at_top) != 1 else ''} have launched up to operation {top}"]
@@ -343,11 +352,17 @@ class CollectiveMismatchDetector(Detector):
         for seq in sorted(behind_by_seq, reverse=True):
             parts.append(f"{describe_ranks(behind_by_seq[seq])} only up to {seq}")
         culprits = [r for rs in behind_by_seq.values() for r in rs]
+        victims = ranks[at_top].tolist()
+        tail = " (all of them waiting in a collective)"
+        if ahead_skipped:
+            culprits, victims = victims, culprits
+            tail = (f" ({describe_ranks(culprits)} ran a step ahead: skipped a collective that "
+                    f"{describe_ranks(victims)} wait in)")
         return Incident(
             kind="collective_mismatch",
             culprit_ranks=culprits,
-            victims=ranks[at_top].tolist(),
-            summary=f"collective mismatch in pg {pg}: " + "; ".join(parts) + " (all of them waiting in a collective)",
+            victims=victims,
+            summary=f"collective mismatch in pg {pg}: " + "; ".join(parts) + tail,
             severity="high",
             runbook="collective-mismatch",
             category="collective_mismatch",
