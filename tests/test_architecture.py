@@ -19,7 +19,8 @@ BASE = {"trainwatch.slots", "trainwatch.env", "trainwatch.flags", "trainwatch.us
 LEVEL2 = BASE | {"trainwatch.rankrow", "trainwatch.state", "trainwatch.capture", "trainwatch.liveness",
                  "trainwatch.jobstore", "trainwatch"}
 ALLOWED = {
-    "trainwatch.diagnostics": {"trainwatch.diagnostics", "trainwatch.slots", "trainwatch.kinds"},
+    "trainwatch.diagnostics": {"trainwatch.diagnostics", "trainwatch.slots", "trainwatch.kinds", "trainwatch.codec",
+                               "trainwatch.records"},
     "trainwatch.kinds": set(),
     "trainwatch.records": set(),
     "trainwatch.codec": {"trainwatch.records"},

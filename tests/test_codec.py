@@ -95,3 +95,70 @@ def test_any_json_reads_as_a_record_or_nothing(data):
 def test_any_bytes_in_exits_jsonl_read_as_an_exit_or_nothing(raw):
     got = rank_exit_from_line(raw, "n")
     assert got is None or isinstance(got, RankExit)
+
+
+# ---- incidents, verdicts, rank rows, job-store records, job status ----------------------
+
+INCIDENT_FIELDS = st.sampled_from(["kind", "culprit_ranks", "victims", "summary", "severity", "runbook", "category",
+                                   "evidence", "key", "detected_mono", "id", "scope", "nodes", "node", "time",
+                                   "opened_time", "incident", "duration_s", "count", "reason", "confidence"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.dictionaries(INCIDENT_FIELDS, JSON, max_size=12) | JSON)
+def test_any_json_reads_as_an_incident_a_verdict_or_a_store_record_or_nothing(data):
+    from trainwatch.diagnostics.verdict import Verdict
+    from trainwatch.watchdog.incident import Incident
+    from trainwatch.watchdog.jobwide import store_record
+
+    inc = Incident.from_json(data)
+    assert inc is None or (isinstance(inc, Incident) and all(r >= 0 for r in inc.culprit_ranks + inc.victims))
+    assert Verdict.from_json(data) is None or isinstance(Verdict.from_json(data), Verdict)
+    rec = store_record(data)
+    if rec is not None:
+        json.dumps(rec, allow_nan=False)
+        assert isinstance(rec["kind"], str) and (rec["kind"] == "resolved" or isinstance(rec["id"], str))
+
+
+def test_incidents_and_verdicts_round_trip_through_their_json():
+    from trainwatch.diagnostics.verdict import Verdict
+    from trainwatch.watchdog.incident import Incident
+
+    inc = Incident(kind="hang", culprit_ranks=[3], victims=[0, 1], summary="s", severity="high", runbook="hang",
+                   evidence={"step": 4}, detected_mono=12.5)
+    assert Incident.from_json(json.loads(json.dumps(inc.to_json()))) == inc
+    assert Incident.from_json({"kind": "hang", "culprit_ranks": [1], "severity": "urgent"}) is None
+    assert Incident.from_json({"kind": "hang", "culprit_ranks": [-1, 2, "x"]}).culprit_ranks == [2]
+    v = Verdict("dataloader", [1], "rank 1 waits for data", "hang", 0.8, ["2 ranks idle"])
+    assert Verdict.from_json(json.loads(json.dumps(v.to_json()))) == v
+
+
+def test_a_job_store_record_is_its_declaration_and_nothing_else():
+    from trainwatch.watchdog.incident import Incident
+    from trainwatch.watchdog.jobwide import store_record
+
+    raw = Incident(kind="collective_mismatch", culprit_ranks=[3], severity="high").to_json() | {
+        "id": "job-1-1-collective_mismatch", "scope": "job", "nodes": ["n1", 7], "node": "n1",
+        "opened_time": 5.0, "restart": {"requested": True}}
+    rec = store_record(raw)
+    assert rec["id"] == raw["id"] and rec["nodes"] == ["n1"] and rec["time"] == raw["time"]
+    assert rec["opened_time"] == 5.0 and "restart" not in rec  # each node's gate decides its own restart
+    assert store_record({k: v for k, v in raw.items() if k != "id"}) is None
+    done = store_record({"kind": "resolved", "incident": "job-1", "duration_s": -1, "count": 2})
+    assert done == {"incident": "job-1", "duration_s": 0.0, "count": 2, "reason": "resolved", "kind": "resolved"}
+    assert store_record({"kind": "resolved"}) is None
+
+
+def test_rank_rows_and_the_job_status_are_written_by_the_codec(tmp_path):
+    from trainwatch import rankrow, state
+    from trainwatch.records import JobStatus
+
+    row = rankrow.from_json({"rank": 2, "step": "9", "phase_times": {"data": 0.5, "x": 1, "backward": "slow"},
+                             "groups": [{"pg": 0, "enqueued": 3, "completed": 2}, {"pg": "1"}] * 9})
+    assert row.step == 0 and row.phase_times == {"data": 0.5} and len(row.groups) == 4
+    assert row.to_json()["collectives"] == {"enqueued": 3, "completed": 2, "last_op": None}
+    jd = state.JobDir("j-status", tmp_path)
+    jd.own.mkdir(parents=True)
+    jd.update_job(status=JobStatus.RESTARTING)
+    assert json.loads(jd.job_file.read_text())["status"] == "restarting"
+    assert f"job {JobStatus.SUCCEEDED}" == "job succeeded"

@@ -21,9 +21,9 @@ import os
 import time
 from pathlib import Path
 
-from trainwatch import state
+from trainwatch import records, state
 
-LIVE_STATUSES = ("running", "starting", "restarting")
+LIVE_STATUSES = records.LIVE_STATUSES
 
 
 class RunLock:
@@ -145,7 +145,7 @@ def _reap(job_dir: state.JobDir, record: dict) -> None:
     if record.get("status") in LIVE_STATUSES:
         try:
             end = record.get("end_time")
-            job_dir.update_job(status="lost", end_time=end if isinstance(end, (int, float)) else time.time())
+            job_dir.update_job(status=records.JobStatus.LOST, end_time=end if isinstance(end, (int, float)) else time.time())
         except OSError:
             pass
 

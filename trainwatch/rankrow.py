@@ -9,10 +9,10 @@ once.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
-from trainwatch import slots
+from trainwatch import codec, slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,34 +20,34 @@ class RankRow:
     """One consistent read of one rank. Durations are seconds before `now`."""
 
     rank: int
-    local_rank: int
-    node: str
-    pid: int
-    restart: int
+    local_rank: int = 0
+    node: str = ""
+    pid: int = 0
+    restart: int = 0
     """The worker group generation (torchelastic's restart count) this process belongs to."""
-    step: int
+    step: int = 0
     """Last completed step (0: none yet)."""
-    step_source: str
+    step_source: str = "counted"
     """'reported' (the script's own step numbers, trainer API) or 'counted'
     (optimizer steps trainwatch counted since this process started)."""
-    loss: float | None
-    grad_norm: float | None
-    step_s: float | None
+    loss: float | None = None
+    grad_norm: float | None = None
+    step_s: float | None = None
     """Duration of the last step."""
-    compute_s: float | None
-    phase: str
-    last_progress_s: float
+    compute_s: float | None = None
+    phase: str = "init"
+    last_progress_s: float = 0.0
     """Since the last progress of any kind: a step, a batch, an eval forward."""
-    last_step_s: float
+    last_step_s: float = 0.0
     """Since the last completed step (or the process start before the first)."""
-    phase_s: float
+    phase_s: float = 0.0
     """Time in the current phase."""
-    heartbeat_age_s: float | None
+    heartbeat_age_s: float | None = None
     """Since the rank's background thread last ran (None before its first beat)."""
-    cpu_s: float | None
+    cpu_s: float | None = None
     """Process CPU time at the last heartbeat."""
-    py_collectives: int
-    batches: int
+    py_collectives: int = 0
+    batches: int = 0
     groups: tuple[slots.CollectiveGroup, ...] = field(default_factory=tuple)
     lr: float | None = None
     """Learning rate of the optimizer's first param group at the last step."""
@@ -55,7 +55,7 @@ class RankRow:
     """GradScaler's loss scale (fp16 mixed precision) at the last step."""
     zero_grad_frac: float | None = None
     """Fraction of gradient elements exactly zero at the last step."""
-    phase_times: dict = field(default_factory=dict)
+    phase_times: dict[str, float] = field(default_factory=dict)
     """Seconds of the last step spent in 'data', 'backward' and 'optimizer' (those known)."""
 
     @property
@@ -69,34 +69,7 @@ class RankRow:
         }
 
     def to_json(self) -> dict:
-        return {
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            "node": self.node,
-            "pid": self.pid,
-            "restart": self.restart,
-            "step": self.step,
-            "step_source": self.step_source,
-            "loss": self.loss,
-            "grad_norm": self.grad_norm,
-            "step_s": self.step_s,
-            "compute_s": self.compute_s,
-            "phase": self.phase,
-            "last_progress_s": self.last_progress_s,
-            "last_step_s": self.last_step_s,
-            "phase_s": self.phase_s,
-            "heartbeat_age_s": self.heartbeat_age_s,
-            "cpu_s": self.cpu_s,
-            "py_collectives": self.py_collectives,
-            "batches": self.batches,
-            "collectives": self.collectives,
-            "groups": [{"pg": g.pg, "enqueued": g.enqueued, "completed": g.completed, "last_op": g.last_op}
-                       for g in self.groups],
-            "lr": self.lr,
-            "loss_scale": self.loss_scale,
-            "zero_grad_frac": self.zero_grad_frac,
-            "phase_times": dict(self.phase_times),
-        }
+        return codec.encode(self) | {"collectives": self.collectives}
 
 
 PHASE_TIMES = ("data", "backward", "optimizer")
@@ -180,53 +153,17 @@ def rows_json(rows: Iterable[RankRow]) -> list[dict]:
     return [r.to_json() for r in rows]
 
 
-def _get(d: dict, name: str, kind: type | tuple, default: Any = None) -> Any:
-    value = d.get(name, default)
-    if isinstance(value, bool) and kind is not bool:
-        return default
-    return value if isinstance(value, kind) else default
-
-
-def _num(d: dict, name: str, default: float | None = None) -> float | None:
-    """A finite number field as a float; NaN, infinities, integers too large for a float read as unknown."""
-    value = _get(d, name, (int, float))
-    if value is None:
-        return default
-    try:
-        value = float(value)
-    except OverflowError:
-        return default
-    return value if math.isfinite(value) else default
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def from_json(d: Any) -> RankRow | None:
     """A RankRow from telemetry.json (written by a sidecar, read by anyone):
-    None for a record of the wrong shape; wrong-typed fields read as unknown."""
-    if not isinstance(d, dict) or not _is_int(d.get("rank")):
+    None for a record without an integer rank; wrong-typed fields read as
+    unknown (their defaults)."""
+    row = codec.decode(RankRow, d)
+    if row is None:
         return None
-    groups = []
-    for g in d.get("groups") if isinstance(d.get("groups"), list) else ():
-        if isinstance(g, dict) and all(_is_int(g.get(k)) for k in ("pg", "enqueued", "completed")):
-            groups.append(slots.CollectiveGroup(g["pg"], g["enqueued"], g["completed"], _get(g, "last_op", str, "")))
-    return RankRow(
-        rank=d["rank"], local_rank=_get(d, "local_rank", int, 0), node=_get(d, "node", str, ""),
-        pid=_get(d, "pid", int, 0), restart=_get(d, "restart", int, 0), step=_get(d, "step", int, 0),
-        step_source=_get(d, "step_source", str, "counted"), loss=_num(d, "loss"),
-        grad_norm=_num(d, "grad_norm"), step_s=_num(d, "step_s"), compute_s=_num(d, "compute_s"),
-        phase=_get(d, "phase", str, "init"), last_progress_s=_num(d, "last_progress_s", 0.0),
-        last_step_s=_num(d, "last_step_s", 0.0), phase_s=_num(d, "phase_s", 0.0),
-        heartbeat_age_s=_num(d, "heartbeat_age_s"), cpu_s=_num(d, "cpu_s"),
-        py_collectives=_get(d, "py_collectives", int, 0), batches=_get(d, "batches", int, 0),
-        groups=tuple(groups[: slots.MAX_GROUPS]),
-        lr=_num(d, "lr"), loss_scale=_num(d, "loss_scale"), zero_grad_frac=_num(d, "zero_grad_frac"),
-        phase_times={p: v for p in PHASE_TIMES
-                     if (v := _num(d.get("phase_times") if isinstance(d.get("phase_times"), dict) else {}, p))
-                     is not None},
-    )
+    times = {p: v for p, v in row.phase_times.items() if p in PHASE_TIMES}
+    if len(row.groups) > slots.MAX_GROUPS or len(times) != len(row.phase_times):
+        row = replace(row, groups=row.groups[: slots.MAX_GROUPS], phase_times=times)
+    return row
 
 
 def rows_from_json(data: Any) -> list[dict]:

@@ -12,8 +12,32 @@ traceback: the file may have been written by another version or by hand.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any
+
+
+class JobStatus(str, enum.Enum):
+    """job.json's `status`: written by the launcher and its agent only, through
+    these names. A reader of a status it does not know (a newer writer's) shows
+    it as written."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    LOST = "lost"
+    """Set by a reader: the launcher died without saying how the run ended."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+LIVE_STATUSES = (JobStatus.STARTING.value, JobStatus.RUNNING.value, JobStatus.RESTARTING.value)
+"""Statuses of a run whose launcher is (or should be) alive."""
 
 
 def is_int(value: Any) -> bool:

@@ -288,7 +288,7 @@ class CollectiveGroup:
     """Sequence number of the last collective this rank launched."""
     completed: int
     """Sequence number of the last collective that finished on this rank."""
-    last_op: str
+    last_op: str = ""
     """Name of the last launched collective (e.g. 'allreduce'), '' if unknown."""
 
 

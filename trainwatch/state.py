@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainwatch import env, historyfile, records
+from trainwatch import codec, env, historyfile, records
 from trainwatch.records import finite_number, is_int
 
 JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -257,7 +257,7 @@ class JobDir:
     def update_job(self, **fields: Any) -> dict:
         """Merge fields into job.json."""
         record = self.read_job() or {"job": self.job}
-        record.update(fields)
+        record.update(codec.encode(fields))  # a JobStatus as its value
         write_json_atomic(self.job_file, record)
         return record
 
@@ -315,9 +315,9 @@ def live_status(job: dict) -> str:
     status = job.get("status", "?")
     if not isinstance(status, str):
         return "?"
-    if status in ("running", "starting", "restarting"):
+    if status in records.LIVE_STATUSES:
         if not pid_alive(job.get("launcher_pid")):
-            return "lost"
+            return records.JobStatus.LOST.value
     return status
 
 

@@ -11,13 +11,13 @@ incident still can.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Iterable
 
 import numpy as np
 
-from trainwatch import kinds, slots
+from trainwatch import codec, kinds, slots
 from trainwatch.diagnostics import catalog
 from trainwatch.diagnostics.culprit import FLOOR_S, HEARTBEAT_STALE_S, K, Facts, GroupEntries, blame
 from trainwatch.diagnostics.stack_groups import odd_one_out
@@ -67,7 +67,12 @@ class Verdict:
     evidence: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return codec.encode(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Verdict | None:
+        """A verdict stored with an incident's action record; None when it does not fit."""
+        return codec.decode(cls, data)
 
 
 def _runbook_for(category: str, pattern_id: str | None) -> str:

@@ -23,6 +23,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from trainwatch import codec, env, slots, state
+from trainwatch.records import JobStatus
 from trainwatch.watchdog import failures, warmstart
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 from trainwatch.watchdog.detectors.base import RankExit
@@ -97,7 +98,7 @@ class TrainwatchAgent(LocalElasticAgent):
             for w in worker_group.workers
         ]
         self.dir.update_job(
-            status="running",
+            status=JobStatus.RUNNING,
             ranks=ranks,
             world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
             restarts=self.restart_count,
@@ -139,7 +140,7 @@ class TrainwatchAgent(LocalElasticAgent):
         t0 = time.monotonic()
         print(f"[trainwatch] {sig.name}: preemption; asking every rank for an emergency checkpoint "
               f"(grace {self.preempt_grace_s:g}s)", flush=True)
-        self.dir.update_job(status="stopping")
+        self.dir.update_job(status=JobStatus.STOPPING)
         handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
 
         def running(local_rank: int) -> bool:
@@ -179,7 +180,7 @@ class TrainwatchAgent(LocalElasticAgent):
         print(f"[trainwatch] restarting worker group (restart {self.restart_count}/{worker_group.spec.max_restarts}"
               + (f", after {backoff:.0f}s backoff" if backoff else "") + ")", flush=True)
         t0 = time.monotonic()
-        self.dir.update_job(status="restarting")
+        self.dir.update_job(status=JobStatus.RESTARTING)
         self._stop_workers(worker_group)
         t1 = time.monotonic()
         if backoff:

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from trainwatch import codec
+
 SEVERITIES = ("info", "low", "medium", "high", "critical")
 """Allowed severities, least to most urgent."""
 
@@ -29,9 +31,9 @@ class Incident:
     kind: str
     """What happened: hang, collective_mismatch, straggler, crash, loss_nan,
     loss_spike, grad_explosion (xid, ecc, restart come from other sources)."""
-    culprit_ranks: list[int]
+    culprit_ranks: list[int] = field(metadata=codec.check(min=0))
     """Global ranks that caused it; empty when no single rank can be blamed."""
-    victims: list[int] = field(default_factory=list)
+    victims: list[int] = field(default_factory=list, metadata=codec.check(min=0))
     """Global ranks affected only because of the culprits (e.g. waiting on them)."""
     summary: str = ""
     """One readable sentence for consoles and logs."""
@@ -63,35 +65,16 @@ class Incident:
             wall_time if wall_time is not None else _dt.datetime.now(_dt.timezone.utc).timestamp(),
             tz=_dt.timezone.utc,
         )
-        return {
-            "time": when.isoformat(timespec="milliseconds"),
-            "kind": self.kind,
-            "severity": self.severity,
-            "summary": self.summary,
-            "culprit_ranks": list(self.culprit_ranks),
-            "victims": list(self.victims),
-            "runbook": self.runbook,
-            "category": self.category,
+        return {"time": when.isoformat(timespec="milliseconds")} | codec.encode(self) | {
             "evidence": jsonable(self.evidence),
-            "key": self.key,
             "detected_mono": round(float(self.detected_mono), 6),
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> Incident:
-        """Rebuild an incident from `to_json()` output (e.g. a line of events.jsonl)."""
-        return cls(
-            kind=str(data["kind"]),
-            culprit_ranks=list(data.get("culprit_ranks") or ()),
-            victims=list(data.get("victims") or ()),
-            summary=str(data.get("summary", "")),
-            severity=str(data.get("severity", "medium")),
-            runbook=data.get("runbook"),
-            category=data.get("category"),
-            evidence=dict(data.get("evidence") or {}),
-            key=str(data.get("key", "")),
-            detected_mono=float(data.get("detected_mono", 0.0)),
-        )
+    def from_json(cls, data: Any) -> Incident | None:
+        """An incident from `to_json()` output (a line of events.jsonl, a job
+        store record): None for one that does not fit (the reader skips it)."""
+        return codec.decode(cls, data)
 
 
 def jsonable(value: Any) -> Any:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainwatch import kinds, rankrow, slots
+from trainwatch import codec, kinds, rankrow, records, slots
 from trainwatch.capture import capture_ranks
 from trainwatch.jobstore import JobStore
 from trainwatch.watchdog import aggregates
@@ -60,6 +60,47 @@ LOST_MARGIN_S = 1.0
 """A node is lost after the hang threshold less this margin of silence: its last
 summary may be PUBLISH_S old and the aggregator looks every PUBLISH_S / 2, so the
 loss is reported within the hang threshold of the node's death."""
+
+
+@dataclass(slots=True)
+class JobTags:
+    """What the aggregator adds to a job incident in the store."""
+
+    id: str = field(metadata=codec.check(max_len=200))
+    scope: str = "job"
+    nodes: list[str] = field(default_factory=list, metadata=codec.check(max_len=200))
+    node: str = field(default="", metadata=codec.check(max_len=4000))
+
+
+@dataclass(slots=True)
+class JobResolved:
+    """The aggregator's word that a job incident is over."""
+
+    incident: str = field(metadata=codec.check(max_len=200))
+    duration_s: float = field(default=0.0, metadata=codec.check(min=0))
+    count: int = field(default=1, metadata=codec.check(min=1))
+    reason: str = field(default="resolved", metadata=codec.check(max_len=200))
+    kind: str = "resolved"
+
+
+def store_record(raw: Any) -> dict | None:
+    """A job-store incident record checked against its declaration (an incident
+    with the aggregator's tags, or a `resolved`), re-encoded; None when it does
+    not fit (the store's secret already keeps out forgeries: this keeps out
+    a newer or broken writer's records)."""
+    if isinstance(raw, dict) and raw.get("kind") == "resolved":
+        done = codec.decode(JobResolved, raw)
+        return codec.encode(done) if done is not None else None
+    incident, tags = Incident.from_json(raw), codec.decode(JobTags, raw)
+    if incident is None or tags is None:
+        return None
+    out = incident.to_json() | codec.encode(tags)
+    # When the aggregator raised it, not when this node read it.
+    if isinstance(raw.get("time"), str):
+        out["time"] = raw["time"][:64]
+    if (opened := records.finite_number(raw.get("opened_time"))) is not None:
+        out["opened_time"] = opened
+    return out
 
 
 # ---- summaries --------------------------------------------------------------------------
@@ -248,8 +289,8 @@ class JobWideNode:
             for n in requests:
                 threading.Thread(target=self.capture_for, args=(n,), daemon=True,
                                  name="trainwatch-remote-capture").start()
-            self.incidents_seen, records = self.store.incidents_since(self.incidents_seen)
-            for record in records:
+            self.incidents_seen, taken = self.store.incidents_since(self.incidents_seen)
+            for record in filter(None, map(store_record, taken)):
                 sc.emit(record)
             self.store_failed = False
         except Exception as e:  # a store that went away raises torch's DistNetworkError, RuntimeError, ...
@@ -276,8 +317,8 @@ class JobWideNode:
         for res in self.aggregator.engine.take_resolved():
             job_id = self.job_ids.pop(res.incident.key, None)
             if job_id is not None:
-                self.store.add_incident({"kind": "resolved", "incident": job_id, "duration_s": round(res.duration_s, 3),
-                                         "count": res.count, "reason": res.reason})
+                self.store.add_incident(codec.encode(JobResolved(job_id, round(res.duration_s, 3), res.count,
+                                                                  res.reason)))
         for incident in new:
             record = incident.to_json()
             nodes = self.aggregator.nodes_of(record.get("culprit_ranks") or [])

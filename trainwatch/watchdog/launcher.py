@@ -21,6 +21,7 @@ import time
 import uuid
 
 from trainwatch import env, liveness, netbind, slots, state
+from trainwatch.records import JobStatus
 from trainwatch.inject import spec as inject
 from trainwatch.usage import printable
 from trainwatch.views.summary import failure_summary
@@ -242,7 +243,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
 
     entry = " ".join([("-m " if args.module else "") + args.training_script, *args.training_script_args])
     job_dir.update_job(
-        status="starting",
+        status=JobStatus.STARTING,
         run_id=run_id,
         node_scoped=bool(os.environ.get(env.NODE_SCOPE)),
         start_time=time.time(),
@@ -278,7 +279,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     try:
         rdzv_handler, hosts_store = rendezvous.rendezvous_handler(rdzv_parameters, store_bind if single_node else None)
     except Exception as e:  # the rendezvous host unreachable: torch's RendezvousConnectionError, ...
-        job_dir.update_job(status="failed", end_time=time.time(), exit_code=1)
+        job_dir.update_job(status=JobStatus.FAILED, end_time=time.time(), exit_code=1)
         raise LaunchError(f"cannot reach the rendezvous at {launch_config.rdzv_endpoint} "
                           f"({type(e).__name__}); start the node hosting it first, or check --rdzv-endpoint") from None
     # A multi-node job gets one job-wide watchdog through the rendezvous store.
@@ -335,20 +336,20 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         node=node,
     )
 
-    status, code = "failed", 1
+    status, code = JobStatus.FAILED, 1
     undo.clear()  # from here the clean-up below owns the segment, the sidecar and the zygote
     try:
         result = agent.run()
         from torch.distributed.elastic.agent.server.api import WorkerState
 
         if result.state != WorkerState.SUCCEEDED:
-            status, code = "failed", 1
+            status, code = JobStatus.FAILED, 1
             exits = ", ".join(
                 f"rank {r}: exit code {f.exitcode}" for r, f in sorted(result.failures.items())
             ) or "the watchdog's restart budget is spent"
             print(f"[trainwatch] job {config.job} failed ({exits})", file=sys.stderr, flush=True)
         else:
-            status, code = "succeeded", 0
+            status, code = JobStatus.SUCCEEDED, 0
     except ChildFailedError as e:
         # torchelastic's summary quotes the ranks' own error files: shown, never acted on by the terminal.
         print(printable(f"[trainwatch] job {config.job} failed: {e}"), file=sys.stderr, flush=True)
@@ -365,10 +366,10 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
             job_dir.append_event({"kind": "resolved", "incident": f"{node}-{run_id}-rdzv-host", "count": 1,
                                   "duration_s": 0.0, "reason": "the job ended", "time": time.time()})
     except KeyboardInterrupt:
-        status, code = "stopped", 130
+        status, code = JobStatus.STOPPED, 130
     except Exception as e:  # SignalException from torchelastic on SIGTERM/SIGINT
         if type(e).__name__ == "SignalException":
-            status, code = "stopped", 128 + int(getattr(e, "sigval", signal.SIGTERM))
+            status, code = JobStatus.STOPPED, 128 + int(getattr(e, "sigval", signal.SIGTERM))
             if agent.preempted is not None:
                 code = PREEMPTED_EXIT
                 print(f"[trainwatch] job {config.job} preempted by {agent.preempted['signal']}: "
@@ -399,10 +400,10 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         except OSError:
             pass
         nonfinite = None
-        if status == "succeeded" and config.nan_policy == "fail":
+        if status is JobStatus.SUCCEEDED and config.nan_policy == "fail":
             nonfinite = failures.nonfinite_end(job_dir, segment.read_table(), segment.nslots, run_id)
             if nonfinite:
-                status, code = "failed", 1
+                status, code = JobStatus.FAILED, 1
                 print(f"[trainwatch] job {config.job} failed: {nonfinite} (--nan-policy alert lets such a job "
                       "end as succeeded)", file=sys.stderr, flush=True)
         job_dir.update_job(status=status, end_time=time.time(), exit_code=code, restarts=agent.restart_count,
@@ -413,7 +414,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         except OSError:
             pass
     print(f"[trainwatch] job {config.job} {status} (restarts: {agent.restart_count})", flush=True)
-    if status == "failed":
+    if status is JobStatus.FAILED:
         cause = None
         if agent.fatal is not None:
             cause = f"{agent.fatal[0].describe()} ({agent.fatal[1]}; not restarted)"
