@@ -218,3 +218,29 @@ def test_agent_survivors_ask_only_ranks_with_state_and_say_what_was_written(tmp_
             if h.proc.poll() is None:
                 h.proc.kill()
             h.proc.wait(timeout=10)
+
+
+def test_agent_a_clean_exit_seen_with_its_peers_failure_is_the_early_leaver(tmp_path):
+    """Local rank 1 left with exit 0 before finishing (os._exit(0)) and local
+    rank 0 failed for want of it, both seen in the same poll: rank 1 is the one
+    that left early (the culprit), rank 0's failure is not the first."""
+    from torch.distributed.elastic.multiprocessing import subprocess_handler
+
+    from trainwatch.watchdog.agent import TrainwatchAgent
+
+    handlers = {
+        0: subprocess_handler.SubprocessHandler("sh", ("-c", "exit 1"), {}, None, None, 0, None),
+        1: subprocess_handler.SubprocessHandler("sh", ("-c", "exit 0"), {}, None, None, 1, None),
+    }
+    wait_until(lambda: all(h.proc.poll() is not None for h in handlers.values()), what="both ranks to exit")
+    job = state.JobDir("early-both", root=tmp_path).create()
+    workers = [SimpleNamespace(local_rank=i, global_rank=10 + i) for i in range(2)]
+    agent = SimpleNamespace(_survivors_saved=-1, restart_count=0, _first_failed=set(), segment=None,
+                            _pcontext=SimpleNamespace(subprocess_handlers=handlers), emergency_timeout_s=600.0,
+                            _on_event=lambda kind, data: None, dir=job, node="n0", run_id="r1",
+                            _worker_group=SimpleNamespace(workers=workers), _reported_early=set(),
+                            _early_exits=set(), _finished=lambda lr: False)
+    TrainwatchAgent._checkpoint_survivors(agent)
+    said = [json.loads(line) for line in job.exits_file.read_text().splitlines()]
+    assert [(e["rank"], e["exitcode"], e["first"], e["early"]) for e in said] == [
+        (11, 0, True, True), (10, 1, False, False)], said

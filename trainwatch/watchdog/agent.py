@@ -284,12 +284,14 @@ class TrainwatchAgent(LocalElasticAgent):
         except AttributeError:  # a torch without subprocess handlers: nothing to do early
             return
         alive_now = [lr for lr, code in codes.items() if code is None]
+        failed_now = any(code not in (None, 0) for code in codes.values())
         for lr, code in codes.items():
             # Exit 0 with its exit hooks never run (os._exit(0)) while peers still
-            # train: the peers will fail or stall for want of it.
-            if code == 0 and alive_now and lr not in self._early_exits and not self._finished(lr):
+            # train (or fail for want of it, both seen in one poll): the peers
+            # will fail or stall because of it.
+            if code == 0 and (alive_now or failed_now) and lr not in self._early_exits and not self._finished(lr):
                 self._early_exits.add(lr)
-        if not any(code not in (None, 0) for code in codes.values()):
+        if not failed_now:
             return
         self._survivors_saved = self.restart_count
         # Dead while the others still run: the root cause, whatever follows (a
