@@ -698,9 +698,9 @@ def check_zygote_cuda(ctx: Context) -> dict:
         if ready is None:
             raise Fail("the zygote never said it was ready")
         contexts = cuda_context_pids() if ctx.cuda else []
-        fig = {"cuda_initialized": ready.get("cuda_initialized"), "import_s": ready.get("import_s"),
-               "preloaded": len(ready.get("preloaded") or ()), "zygote_in_nvml_processes": z.proc.pid in contexts}
-        if ready.get("cuda_initialized") or fig["zygote_in_nvml_processes"]:
+        fig = {"cuda_initialized": ready.cuda_initialized, "import_s": ready.import_s,
+               "preloaded": len(ready.preloaded), "zygote_in_nvml_processes": z.proc.pid in contexts}
+        if ready.cuda_initialized or fig["zygote_in_nvml_processes"]:
             raise Fail(f"the zygote created a CUDA context before forking ({fig})")
         t0 = time.monotonic()
         pid = z.fork([str(script)], child_env(), str(out), str(out))

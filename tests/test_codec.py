@@ -162,3 +162,46 @@ def test_rank_rows_and_the_job_status_are_written_by_the_codec(tmp_path):
     jd.update_job(status=JobStatus.RESTARTING)
     assert json.loads(jd.job_file.read_text())["status"] == "restarting"
     assert f"job {JobStatus.SUCCEEDED}" == "job succeeded"
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=st.binary(max_size=200) | st.builds(lambda d: json.dumps(d).encode(),
+                                                 st.dictionaries(st.sampled_from(["op", "id", "pid", "code", "args",
+                                                                                  "env", "cwd", "error"]), JSON)))
+def test_any_line_on_the_warm_start_socket_reads_as_a_message_or_nothing(raw):
+    from trainwatch import records
+
+    got = codec.decode_line(records.ZYGOTE_MESSAGES, raw)
+    assert got is None or type(got) in records.ZYGOTE_MESSAGES.values()
+
+
+def test_zygote_messages_and_restart_requests_round_trip():
+    from trainwatch import records
+
+    for msg in (records.ZygoteReady(7, ["torch"], 1.5, False), records.ZygoteFork(1, ["python", "-c", "0"], {"A": "b"}, "/"),
+                records.ZygoteForked(1, pid=9), records.ZygoteForked(2, error="bad"), records.ZygoteExit(9, -9)):
+        assert codec.decode_line(records.ZYGOTE_MESSAGES, json.dumps(codec.encode(msg))) == msg
+    assert codec.decode_line(records.ZYGOTE_MESSAGES, b'{"op": "exit", "pid": "9", "code": 0}') is None
+    assert codec.decode_line(records.ZYGOTE_MESSAGES, b'{"op": "fork", "id": 1, "args": ["x", 5], "env": {"A": 1}, '
+                                                      b'"cwd": "/"}') == records.ZygoteFork(1, ["x"], {}, "/")
+    req = records.RestartRequest(run="r", generation=2, reason="hang", kind="hang", incident="n-1-3", time=5.0)
+    assert codec.decode(records.RestartRequest, json.loads(json.dumps(codec.encode(req)))) == req
+    assert codec.decode(records.RestartRequest, {"run": "r", "generation": True}) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(raw=st.binary(max_size=120) | st.builds(lambda d: json.dumps(d).encode(), st.dictionaries(
+    st.sampled_from(["run", "generation", "reason", "kind", "incident", "time"]), JSON)))
+def test_any_restart_request_file_is_taken_or_ignored(tmp_path_factory, raw):
+    from types import SimpleNamespace
+
+    from trainwatch import records, state
+    from trainwatch.watchdog.agent import TrainwatchAgent
+
+    job = state.JobDir("req", root=tmp_path_factory.mktemp("req")).create()
+    job.restart_request_file.parent.mkdir(parents=True, exist_ok=True)
+    job.restart_request_file.write_bytes(raw)
+    agent = SimpleNamespace(dir=job, run_id="r", restart_count=0)
+    got = TrainwatchAgent._take_restart_request(agent)
+    assert got is None or (isinstance(got, records.RestartRequest) and got.run == "r" and got.generation == 0)
+    assert not job.restart_request_file.exists()

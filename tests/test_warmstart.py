@@ -4,6 +4,7 @@ signals, random seeds), and nothing outlives the zygote."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -52,7 +53,7 @@ def _fork(z, tmp_path, name, *args, redirect=False):
 
 
 def test_a_forked_worker_is_the_process_a_fresh_interpreter_would_be(zygote, tmp_path, monkeypatch):
-    assert {"torch", "trainwatch.rank.bootstrap"} <= set(zygote.ready["preloaded"])
+    assert {"torch", "trainwatch.rank.bootstrap"} <= set(zygote.ready.preloaded)
     monkeypatch.chdir(tmp_path)
     a = _fork(zygote, tmp_path, "0", "3", redirect=True)
     b = _fork(zygote, tmp_path, "1", "0")
@@ -71,8 +72,8 @@ def test_a_forked_worker_is_the_process_a_fresh_interpreter_would_be(zygote, tmp
 def test_no_fork_from_a_zygote_that_initialised_cuda(zygote, tmp_path):
     """A preload that initialised CUDA makes forked workers unable to use the GPU:
     the launcher then starts them cold (the zygote says so in its ready message)."""
-    assert zygote.ready["cuda_initialized"] is False
-    zygote.ready = {**zygote.ready, "cuda_initialized": True}
+    assert zygote.ready.cuda_initialized is False
+    zygote.ready = dataclasses.replace(zygote.ready, cuda_initialized=True)
     with pytest.raises(warmstart.ZygoteUnavailable, match="CUDA"):
         zygote.fork([str(tmp_path / "w.py")], dict(os.environ), None, None)
 

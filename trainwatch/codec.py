@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import json
 import types
 import typing
 from typing import Any, TypeVar
@@ -104,6 +105,18 @@ def decode(cls: type[T], data: Any, *, strict: bool = False) -> T | None:
         if strict:
             raise CodecError(f"{cls.__name__}: {e}") from None
         return None
+
+
+def decode_line(classes: dict[str, type], line: bytes | str, *, tag: str = "op") -> Any:
+    """One JSON line of a protocol whose messages are told apart by `tag`, as
+    the record its tag names; None for anything else (not JSON, an unknown
+    tag, a message that does not fit)."""
+    try:
+        data = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    cls = classes.get(data.get(tag)) if isinstance(data, dict) and isinstance(data.get(tag), str) else None
+    return decode(cls, data) if cls is not None else None
 
 
 def _record(cls: type[T], data: Any) -> T:

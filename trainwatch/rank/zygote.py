@@ -34,11 +34,11 @@ import socket
 import sys
 import time
 
-from trainwatch import env, procctl
+from trainwatch import codec, env, procctl, records
 
 
-def _send(sock: socket.socket, msg: dict) -> None:
-    sock.sendall((json.dumps(msg) + "\n").encode())
+def _send(sock: socket.socket, msg: object) -> None:
+    sock.sendall((json.dumps(codec.encode(msg)) + "\n").encode())
 
 
 def _preload(names: list[str]) -> list[str]:
@@ -73,8 +73,7 @@ def cuda_initialized() -> bool:
 def serve(sock: socket.socket, preload: list[str]) -> None:
     t0 = time.monotonic()
     preloaded = _preload(preload)
-    _send(sock, {"op": "ready", "pid": os.getpid(), "preloaded": preloaded, "import_s": round(time.monotonic() - t0, 3),
-                 "cuda_initialized": cuda_initialized()})
+    _send(sock, records.ZygoteReady(os.getpid(), preloaded, round(time.monotonic() - t0, 3), cuda_initialized()))
     # SIGCHLD wakes the loop through a pipe: exits are reported as they happen.
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -96,11 +95,8 @@ def serve(sock: socket.socket, preload: list[str]) -> None:
             buf += data
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                try:
-                    req = json.loads(line)
-                except ValueError:
-                    continue
-                if req.get("op") == "fork":
+                req = codec.decode_line(records.ZYGOTE_MESSAGES, line)
+                if isinstance(req, records.ZygoteFork):
                     pid = _fork(sock, req, (wake_r, wake_w))
                     if pid:
                         children.add(pid)
@@ -113,15 +109,13 @@ def serve(sock: socket.socket, preload: list[str]) -> None:
             if pid == 0:
                 break
             children.discard(pid)
-            _send(sock, {"op": "exit", "pid": pid, "code": _exit_code(status)})
+            _send(sock, records.ZygoteExit(pid, _exit_code(status)))
 
 
-def _fork(sock: socket.socket, req: dict, fds: tuple[int, int]) -> int:
-    try:
-        args, environ, cwd = list(req["args"]), dict(req["env"]), str(req["cwd"])
-        out, err = req.get("stdout"), req.get("stderr")
-    except (KeyError, TypeError) as e:
-        _send(sock, {"op": "forked", "id": req.get("id"), "error": f"bad request: {e!r}"})
+def _fork(sock: socket.socket, req: records.ZygoteFork, fds: tuple[int, int]) -> int:
+    args, environ, cwd, out, err = req.args, req.env, req.cwd, req.stdout, req.stderr
+    if not args:
+        _send(sock, records.ZygoteForked(req.id, error="bad request: no command"))
         return 0
     sys.stdout.flush()
     sys.stderr.flush()
@@ -135,7 +129,7 @@ def _fork(sock: socket.socket, req: dict, fds: tuple[int, int]) -> int:
             code = _become_worker(args, environ, cwd, out, err)
         finally:
             os._exit(code)
-    _send(sock, {"op": "forked", "id": req.get("id"), "pid": pid})
+    _send(sock, records.ZygoteForked(req.id, pid=pid))
     return pid
 
 

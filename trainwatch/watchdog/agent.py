@@ -22,7 +22,7 @@ from typing import Any, Callable
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from trainwatch import codec, env, slots, state
+from trainwatch import codec, env, records, slots, state
 from trainwatch.records import JobStatus
 from trainwatch.watchdog import failures, warmstart
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
@@ -208,8 +208,8 @@ class TrainwatchAgent(LocalElasticAgent):
         elif result.state == WorkerState.HEALTHY:
             request = self._take_restart_request()
             if request is not None:
-                log.warning("trainwatch: restarting worker group: %s", request.get("reason", "sidecar request"))
-                self._on_event("restart_requested", request)
+                log.warning("trainwatch: restarting worker group: %s", request.reason)
+                self._on_event("restart_requested", codec.encode(request))
                 return RunResult(state=WorkerState.UNHEALTHY)
         return result
 
@@ -333,22 +333,27 @@ class TrainwatchAgent(LocalElasticAgent):
             print(printable(f"[trainwatch] survivors: {describe(result)}", newlines=False), flush=True)
         self._on_event("survivors_checkpointed", result)
 
-    def _take_restart_request(self) -> dict | None:
-        request = state.read_json(self.dir.restart_request_file)
-        if request is None:
+    def _take_restart_request(self) -> records.RestartRequest | None:
+        if not self.dir.restart_request_file.exists():
             return None
+        raw = state.read_json(self.dir.restart_request_file)
         try:
-            os.unlink(self.dir.restart_request_file)
+            os.unlink(self.dir.restart_request_file)  # taken once, read or not
         except OSError:
             pass
-        if request.get("run") != self.run_id:
-            log.warning("trainwatch: ignoring a restart request of another run of this job (%s)", request.get("reason"))
+        request = codec.decode(records.RestartRequest, raw)
+        if raw is None:
             return None
-        generation = request.get("generation", self.restart_count)
-        if not isinstance(generation, int) or generation != self.restart_count:
-            log.warning("trainwatch: ignoring a restart request for an earlier worker group (%s)", request.get("reason"))
-            return None
-        return request
+        if request is None:
+            log.warning("trainwatch: ignoring a restart request that is not one (%s)",
+                        printable(str(raw)[:200], newlines=False))
+        elif request.run != self.run_id:
+            log.warning("trainwatch: ignoring a restart request of another run of this job (%s)", request.reason)
+        elif request.generation != self.restart_count:
+            log.warning("trainwatch: ignoring a restart request for an earlier worker group (%s)", request.reason)
+        else:
+            return request
+        return None
 
 
 def exit_line(rank: int, local_rank: int, pid: int, exitcode: int, *, node: str, run: str, first: bool) -> dict:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from trainwatch import kinds, rankrow, slots, state
+from trainwatch import codec, kinds, rankrow, records, slots, state
 from trainwatch.capture import capture_ranks
 from trainwatch.diagnostics.verdict import decide
 from trainwatch.watchdog.checkpointing import describe as describe_checkpoint
@@ -231,17 +231,12 @@ class Responder:
         }
 
     def request_restart(self, record: dict, generation: int) -> dict:
-        request = {
-            "reason": str(record.get("summary") or record.get("kind")),
-            "kind": record.get("kind"),
-            "incident": record.get("id"),
-            "run": self.ctx.run,
-            "time": time.time(),
-            # The worker generation this is about: a request that arrives after the
-            # agent already restarted for another reason must not restart again.
-            "generation": generation,
-        }
-        state.write_json_atomic(self.ctx.job.restart_request_file, request)
+        kind, incident = record.get("kind"), record.get("id")
+        request = records.RestartRequest(
+            run=self.ctx.run, generation=generation, reason=str(record.get("summary") or kind),
+            kind=kind if isinstance(kind, str) else None, incident=incident if isinstance(incident, str) else None,
+            time=time.time())
+        state.write_json_atomic(self.ctx.job.restart_request_file, codec.encode(request))
         return {"requested": True}
 
 

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from trainwatch import env
+from trainwatch import codec, env, records
 
 log = logging.getLogger("trainwatch")
 
@@ -103,10 +103,10 @@ class Zygote:
         whose environment names the job."""
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
-        self.ready: dict | None = None
+        self.ready: records.ZygoteReady | None = None
         self._cond = threading.Condition()
         self._exits: dict[int, int] = {}
-        self._forked: dict[int, dict] = {}
+        self._forked: dict[int, records.ZygoteForked] = {}
         self._next_id = 0
         self._closed = False
         self._send_lock = threading.Lock()
@@ -136,18 +136,14 @@ class Zygote:
             buf += data
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
+                msg = codec.decode_line(records.ZYGOTE_MESSAGES, line)
                 with self._cond:
-                    op = msg.get("op")
-                    if op == "ready":
+                    if isinstance(msg, records.ZygoteReady):
                         self.ready = msg
-                    elif op == "forked":
-                        self._forked[msg.get("id")] = msg
-                    elif op == "exit":
-                        self._exits[int(msg["pid"])] = int(msg["code"])
+                    elif isinstance(msg, records.ZygoteForked):
+                        self._forked[msg.id] = msg
+                    elif isinstance(msg, records.ZygoteExit):
+                        self._exits[msg.pid] = msg.code
                     self._cond.notify_all()
         with self._cond:  # the zygote is gone: its workers died with it (parent-death signal)
             self._closed = True
@@ -164,26 +160,25 @@ class Zygote:
     def fork(self, args: list[str], environ: dict[str, str], stdout: str | None, stderr: str | None) -> int:
         if not self.alive() or self.wait_ready(READY_TIMEOUT_S) is None:
             raise ZygoteUnavailable("the warm-start process is not running")
-        if self.ready.get("cuda_initialized"):  # type: ignore[union-attr]
+        if self.ready.cuda_initialized:  # type: ignore[union-attr]
             raise ZygoteUnavailable("CUDA was initialised while preloading the entry's imports; "
                                     "forked workers could not use the GPU")
         with self._cond:
             self._next_id += 1
             rid = self._next_id
-        request = {"op": "fork", "id": rid, "args": args, "env": environ, "cwd": os.getcwd(),
-                   "stdout": stdout, "stderr": stderr}
+        request = records.ZygoteFork(rid, list(args), dict(environ), os.getcwd(), stdout, stderr)
         try:
             with self._send_lock:
-                self.sock.sendall((json.dumps(request) + "\n").encode())  # type: ignore[union-attr]
+                self.sock.sendall((json.dumps(codec.encode(request)) + "\n").encode())  # type: ignore[union-attr]
         except OSError as e:
             raise ZygoteUnavailable(f"the warm-start process does not answer ({e})") from None
         with self._cond:
             if not self._cond.wait_for(lambda: rid in self._forked or self._closed, FORK_TIMEOUT_S):
                 raise ZygoteUnavailable(f"no fork within {FORK_TIMEOUT_S:.0f} s")
             reply = self._forked.pop(rid, None)
-        if reply is None or "pid" not in reply:
-            raise ZygoteUnavailable((reply or {}).get("error") or "the warm-start process exited")
-        return int(reply["pid"])
+        if reply is None or reply.pid is None:
+            raise ZygoteUnavailable((reply.error if reply is not None else None) or "the warm-start process exited")
+        return reply.pid
 
     def exit_code(self, pid: int) -> int | None:
         with self._cond:
