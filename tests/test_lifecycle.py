@@ -247,3 +247,18 @@ def test_ranks_torn_down_for_a_restart_are_not_a_new_failure():
     v = verdict.decide(gone, incidents=[fault])
     assert (v.category, v.culprit_ranks) == ("dataloader", [1]) and v.summary.startswith("restarting after")
     assert verdict.decide(gone).category == "child_failed"
+
+
+def test_a_rank_idle_many_of_its_steps_is_suspect_within_a_second():
+    """Steps of 0.1 s: a rank idle 0.8 s is no longer healthy, whatever its 5 s
+    threshold, and its peers waiting in a collective are not the suspects; a
+    checkpoint's pause is judged against the threshold in force."""
+    thresholds = {"hang": {"floor_s": 5.0, "k": 5.0, "ranks": {str(r): 5.0 for r in range(3)}}}
+    ranks = rows([0.8, 0.8, 0.8])
+    ranks[0]["phase"] = ranks[2]["phase"] = "collective"
+    v = verdict.decide(ranks, thresholds=thresholds)
+    assert v.category == "suspect" and v.culprit_ranks == [1], v
+    assert verdict.decide(rows([0.3, 0.3, 0.3]), thresholds=thresholds).category == "healthy"
+    saving = rows([0.05, 1.5, 0.05])
+    saving[1]["phase"] = "checkpoint"
+    assert verdict.decide(saving, thresholds=thresholds).category == "healthy"

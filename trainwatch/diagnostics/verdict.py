@@ -47,11 +47,14 @@ CATEGORY_RUNBOOK = {
 } | {k.name: k.runbook for k in kinds.KINDS.values() if k.name not in ("hang", "xid", "ecc")}
 ALERT_ONLY_KINDS = kinds.ALERT_ONLY_KINDS
 """Incident kinds that leave a job running: the verdict names an open one."""
+SUSPECT_STEPS = 5.0
+"""A rank idle this many of its usual steps (and at least SUSPECT_MIN_S) is
+`suspect`: not yet hung by the watchdog's rule, no longer healthy."""
+SUSPECT_MIN_S = 0.5
+"""...idle at least this long (s)..."""
 SUSPECT_FRACTION = 0.5
-"""A rank idle for this fraction of its hang threshold (and well past its usual
-step) is `suspect`: not yet hung by the watchdog's rule, no longer healthy."""
-SUSPECT_MIN_S = 1.0
-"""...and idle at least this long (s)."""
+"""...and, in a phase with honest long pauses (start-up, checkpoint,
+evaluation), this fraction of its hang threshold."""
 FALLBACK_RUNBOOK = "hang"
 """Runbook of a category the table does not know, or of an incident that named none."""
 PHASE_CATEGORY = {"data": "dataloader", "checkpoint": "checkpoint_io"}
@@ -171,8 +174,11 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
     if not stalled:
         lp = max((r.get("last_progress_s") or 0) for r in ranks)
         typical = median(step_s) if step_s else 0.0
-        suspects = [r for r in ranks if (r.get("last_progress_s") or 0)
-                    > max(SUSPECT_MIN_S, SUSPECT_FRACTION * limits[r["rank"]], 3.0 * typical)]
+        suspects = [r for r in ranks if (r.get("last_progress_s") or 0) > max(
+            SUSPECT_MIN_S, SUSPECT_STEPS * typical,
+            SUSPECT_FRACTION * limits[r["rank"]] if r.get("phase") in slots.SLOW_PHASES else 0.0)]
+        # Peers waiting on a stuck rank are idle too: name the ones not waiting.
+        suspects = [r for r in suspects if r.get("phase") not in slots.WAIT_PHASES] or suspects
         if suspects:
             who = sorted(r["rank"] for r in suspects)
             return Verdict(
