@@ -1377,3 +1377,17 @@ def test_the_teardown_after_a_lost_peer_is_part_of_the_lost_contact():
              RankExit(rank=1, local_rank=1, pid=11, exitcode=1, node="n0", peer_lost=True)]
     [inc] = det.check(TickView.from_table(5.0, make_table(2), exits=exits))
     assert inc.culprit_ranks == [0] and inc.victims == [1]
+
+
+def test_ranks_stopped_by_the_nan_policy_are_its_action_not_a_crash():
+    """--nan-policy fail: every rank raises NonFiniteLoss and exits 1 on
+    purpose. The loss_nan incident tells that story; no crash names rank 0
+    (the first to exit) as a culprit. A real crash beside them still is one."""
+    det = ExitDetector()
+    t = make_table(4, now=100.0)
+    stops = [RankExit(rank=r, local_rank=r, pid=10 + r, exitcode=1, first=r == 0, policy_stop=True) for r in range(4)]
+    assert det.check(view(t, 100.0, exits=stops)) == []
+    det = ExitDetector()
+    crash = RankExit(rank=3, local_rank=3, pid=13, exitcode=-9, signal_name="SIGKILL", first=True)
+    found = det.check(view(t, 100.0, exits=stops[:3] + [crash]))
+    assert [(i.kind, i.culprit_ranks) for i in found] == [("crash", [3])]

@@ -364,11 +364,15 @@ def exit_line(rank: int, local_rank: int, pid: int, exitcode: int, *, node: str,
 
 
 def mark_peer_lost(lines: list[dict], errors_file, run: str, generation: int) -> None:
-    """Exits whose rank recorded a lost peer as its error: victims, not culprits (exits.py)."""
+    """Exits whose rank recorded a lost peer as its error: victims, not culprits;
+    exits by the job's own policy (a non-finite loss): that incident's action,
+    not a crash (exits.py)."""
     failing = [line for line in lines if isinstance(line.get("exitcode"), int) and line["exitcode"] > 0]
     if not failing:
         return
-    lost = failures.peer_lost_ranks(errors_file, run, generation)
+    lost, stopped = failures.exit_causes(errors_file, run, generation)
     for line in failing:
         if line["rank"] in lost:
             line["peer_lost"] = True
+        elif line["rank"] in stopped:
+            line["policy_stop"] = True

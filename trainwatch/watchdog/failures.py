@@ -45,6 +45,10 @@ PEER_LOST_MARKERS = (
 )
 """Words of a collective that failed because another rank (here or on another node) went away:
 the rank that says them is a victim of that rank, not a fault of its own."""
+POLICY_STOP_TYPES = ("NonFiniteLoss",)
+"""Exceptions a rank raises on purpose to stop training by the job's own policy
+(the integrated trainer's --nan-policy fail): the stop is an action of the
+incident that called for it (loss_nan), not a crash of that rank."""
 DETERMINISTIC_MARKERS = ("EADDRINUSE", "address already in use", "Address already in use")
 """Words that make a failure deterministic even in a transient type: a port in use stays in use."""
 MAX_BYTES = 4 << 20
@@ -100,6 +104,12 @@ class RankFailure:
 def peer_lost_ranks(path: Path, run: str, generation: int) -> set[int]:
     """Ranks of generation `generation` whose recorded failure is a lost peer."""
     return {f.rank for f in read_failures(path, run) if f.generation == generation and f.peer_lost}
+
+
+def exit_causes(path: Path, run: str, generation: int) -> tuple[set[int], set[int]]:
+    """(ranks that lost a peer, ranks stopped by the job's own policy) of generation `generation`."""
+    found = [f for f in read_failures(path, run) if f.generation == generation]
+    return {f.rank for f in found if f.peer_lost}, {f.rank for f in found if f.type in POLICY_STOP_TYPES}
 
 
 def read_failures(path: Path, run: str) -> list[RankFailure]:

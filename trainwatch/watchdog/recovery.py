@@ -54,11 +54,14 @@ class RestartTracker:
         self._last_step = 0
         self._gen_ready: float | None = None
         self._fault: dict | None = None
+        self._tentative = False
         self._lock = threading.Lock()
 
-    def note_fault(self, record: dict, table=None) -> None:
+    def note_fault(self, record: dict, table=None, *, tentative: bool = False) -> None:
         """Remember the fault a restart will recover from (for the breakdown);
-        `table` is the slot table the fault was seen in."""
+        `table` is the slot table the fault was seen in. A `tentative` one (an
+        incident whose policy may stop the ranks: a non-finite loss) is the
+        cause only if no other fault is noted before the restart."""
         # A job incident taken from another node carries that node's monotonic
         # clock: not comparable with ours, so it times nothing here.
         detected = record.get("detected_mono") if record.get("scope") != "job" else None
@@ -72,7 +75,7 @@ class RestartTracker:
         if began is not None:
             fault["fault_mono"] = began
         with self._lock:
-            self._fault = fault
+            self._fault, self._tentative = fault, tentative
 
     def add_timings(self, **times: float) -> None:
         """What the responder measured for the noted fault (capture, checkpoint, request time)."""
@@ -81,7 +84,7 @@ class RestartTracker:
                 self._fault.update(times)
 
     def has_fault(self) -> bool:
-        return self._fault is not None
+        return self._fault is not None and not self._tentative
 
     def observe(self, live) -> Incident | None:
         restart = int(live["restart"].max())

@@ -278,6 +278,8 @@ class Sidecar:
             record["restart"] = {"requested": restart} | ({"why": why} if why else {})
         if restart or (record.get("kind") == "crash" and not self.recovery.has_fault()):
             self.recovery.note_fault(record, table)
+        elif record.get("kind") == "loss_nan" and not self.recovery.has_fault():
+            self.recovery.note_fault(record, table, tentative=True)  # the trainer's --nan-policy fail stops it
         self.dir.append_event(record)
         # A job incident taken from the store carries the aggregator's clock.
         self.goodput.opened(record, table, record.get("scope") == "job" and (

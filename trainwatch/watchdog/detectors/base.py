@@ -57,6 +57,9 @@ class RankExit:
     """Its recorded error says another rank went away (a connection closed by
     its peer, an aborted communicator): a victim of that rank, here or on
     another node, not a fault of its own."""
+    policy_stop: bool = False
+    """It stopped on purpose, by the job's own policy (the trainer's
+    --nan-policy fail after a non-finite loss): an action of that incident."""
 
     @classmethod
     def from_exitcode(cls, *, rank: int, local_rank: int, pid: int, exitcode: int, node: str = "") -> RankExit:

@@ -41,7 +41,13 @@ class ExitDetector(Detector):
         # A rank whose collective failed because a peer went away is that
         # peer's victim: never a culprit, whatever order the exits came in.
         lost = [e for e in failed if e.peer_lost and e.signal_name is None]
-        failed = [e for e in failed if e not in lost]
+        # Ranks that stopped by the job's own policy (a non-finite loss): the
+        # loss_nan incident already tells that story; their stop is its action.
+        stopped = [e for e in failed if e.policy_stop and e.signal_name is None and e not in lost]
+        failed = [e for e in failed if e not in lost and e not in stopped]
+        if stopped and not [e for e in failed if e.first or e.signal_name not in self.config.teardown_signals]:
+            self._last_failure = view.now
+            return []
         recent = self._last_failure is not None and view.now - self._last_failure < self.config.collateral_s
         # Nothing here failed of its own (only the launcher's teardown of the
         # rest): the lost contact is all there is to this node's story.
