@@ -8,8 +8,8 @@ the fault really began (recorded by the faulting process, CLOCK_MONOTONIC) to
 the incident (the sidecar's detection time, same clock). `diagnose --json` is
 polled every 0.5 s from the start to 10 s after the detection:
 incidents_per_fault counts the incidents of the fault's kind (goal 1.0) and
-verdict_agrees the share of polls after the detection whose verdict names the
-incident's culprit and kind (goal 1.0; healthy_before_detection counts polls
+verdict_agrees the share of polls after the detection, while the incident is
+open, whose verdict names the incident's culprit and kind (goal 1.0; healthy_before_detection counts polls
 between the fault and its detection that said `healthy`). Then: a healthy
 200-step run with checkpoints and a slow first step (false incidents); the
 client corpus (tests/clients/: Fabric, Lightning, accelerate, FSDP, pipeline,
@@ -159,7 +159,10 @@ def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float, *, cu
             if isinstance(fired_wall, (int, float)):
                 before = [r for t, r in polls if fired_wall <= t < incident["opened_time"]]
                 result["healthy_before_detection"] = sum(r["verdict"]["category"] == "healthy" for r in before)
-        after = [r for t, r in polls if t >= incident.get("opened_time", 0) + 1.0]
+        # While the incident is open: once resolved (a loss scale that recovered,
+        # the job that ended), `healthy` or the job's end is the right answer.
+        closed = incident.get("resolved_time") if isinstance(incident.get("resolved_time"), (int, float)) else None
+        after = [r for t, r in polls if t >= incident.get("opened_time", 0) + 1.0 and (closed is None or t < closed)]
         if after:
             result["verdict_agrees"] = round(sum(names(r["verdict"], incident) for r in after) / len(after), 3)
         result["summary"] = incident["summary"][:200]
@@ -276,12 +279,12 @@ def main() -> None:
     tick = benchmark_tick(4096, 50)
     log(f"  tick_ms_4096_ranks = {tick:.2f}")
     detected = [f for f in faults.values() if f["detected"]]
+    judged = [f for f in detected if f["verdict_agrees"] is not None]  # polled while the incident was open
     print(json.dumps({
         "faults": faults,
         "incidents_per_fault": None if not detected else round(
             sum(f["incidents_per_fault"] for f in detected) / len(detected), 3),
-        "verdict_agrees": None if not detected else round(
-            sum(f["verdict_agrees"] or 0.0 for f in detected) / len(detected), 3),
+        "verdict_agrees": None if not judged else round(sum(f["verdict_agrees"] for f in judged) / len(judged), 3),
         "hang_in_validating_script_s": faults.get("hang_in_validating_script", {}).get("latency_s"),
         "hang_steady_s": faults.get("hang_compute", {}).get("latency_s"),
         "false_incidents": false_incidents,
