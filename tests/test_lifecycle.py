@@ -262,3 +262,17 @@ def test_a_rank_idle_many_of_its_steps_is_suspect_within_a_second():
     saving = rows([0.05, 1.5, 0.05])
     saving[1]["phase"] = "checkpoint"
     assert verdict.decide(saving, thresholds=thresholds).category == "healthy"
+
+
+def test_a_collapsed_loss_scale_is_one_incident_not_also_vanishing_gradients():
+    """Every step skipped while the fp16 scale halves reads as zero gradients:
+    while the collapse is open, vanishing_grad on it is the same fault."""
+    engine = DetectorEngine([])
+    t = make_table(4, now=100.0, step=150)
+    collapse = Incident(kind="loss_scale_collapse", culprit_ranks=[2], severity="medium")
+    vanish = Incident(kind="vanishing_grad", culprit_ranks=[2], severity="medium")
+    assert engine.tick(view(t, 100.0), extra=[collapse, vanish]) == [collapse]
+    set_rows(t, [0, 1, 2, 3], step=160)
+    assert engine.tick(view(t, 101.0), extra=[collapse, vanish]) == []
+    alone = DetectorEngine([])
+    assert alone.tick(view(t, 101.0), extra=[vanish]) == [vanish]

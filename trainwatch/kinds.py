@@ -78,17 +78,23 @@ KINDS: dict[str, KindSpec] = {k.name: k for k in (
     KindSpec("loss_spike", "medium", "loss-spike", Response.ALERT, _A),
     KindSpec("grad_explosion", "high", "grad-explosion", Response.ALERT, _A),
     KindSpec("dead_grad", "high", "dead-grad", Response.ALERT, _A),
+    # Every step skipped while the fp16 scale halves: the gradients read zero
+    # for as long as it lasts; that is the collapse, not a second fault.
+    KindSpec("loss_scale_collapse", "medium", "loss-scale-collapse", Response.ALERT, _A,
+             mutes=frozenset({"vanishing_grad"})),
     KindSpec("vanishing_grad", "medium", "vanishing-grad", Response.ALERT, _A),
     KindSpec("lr_stuck", "medium", "lr-stuck", Response.ALERT, _A),
-    KindSpec("loss_scale_collapse", "medium", "loss-scale-collapse", Response.ALERT, _A),
     KindSpec("loss_trend", "medium", "loss-trend", Response.ALERT, _A),
     KindSpec("step_time_spike", "medium", "step-time-spike", Response.ALERT, _A),
 )}
 """Every incident kind. Order: causes before their consequences (a crash
 before the hang it causes), so the engine mutes what a cause explains."""
 
-MUTES = {k.name: k.mutes for k in KINDS.values() if k.mutes}
-"""Kind -> the kinds an open incident of it explains."""
+MUTES = {k.name: k.mutes for k in KINDS.values() if k.mutes and k.resolution is Resolution.PROGRESS}
+"""Kind -> the kinds an incident of it explains until training progresses again."""
+OPEN_MUTES = {k.name: k.mutes for k in KINDS.values() if k.mutes and k.resolution is Resolution.ABSENCE}
+"""Kind -> the kinds it explains for as long as an incident of it is open
+(its condition persists while training goes on)."""
 CAPTURE_KINDS = frozenset(k.name for k in KINDS.values() if k.capture)
 RESTART_KINDS = frozenset(k.name for k in KINDS.values() if k.response is Response.RESTART)
 ALERT_ONLY_KINDS = tuple(k.name for k in KINDS.values() if k.response is Response.ALERT)

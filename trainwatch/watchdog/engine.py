@@ -41,7 +41,8 @@ from trainwatch.watchdog.incident import Incident
 
 MUTES = kinds.MUTES
 """Incident kinds that an earlier incident explains until training progresses again."""
-_PRIORITY = {kind: i for i, kind in enumerate(MUTES)}
+_PRIORITY = {kind: i for i, kind in enumerate([*MUTES, *kinds.OPEN_MUTES])}
+_OPEN_MUTED = frozenset().union(*kinds.OPEN_MUTES.values())
 
 
 @dataclass(kw_only=True, slots=True)
@@ -162,6 +163,10 @@ class DetectorEngine:
                 continue
             reported.add(inc.key)
             cause = next((k for k, muted in MUTES.items() if inc.kind in muted and k in self._episodes), None)
+            if cause is None and inc.kind in _OPEN_MUTED:
+                open_kinds = {s.incident.kind for s in self._seen.values() if s.incident is not None}
+                cause = next((k for k, muted in kinds.OPEN_MUTES.items() if inc.kind in muted and k in open_kinds),
+                             None)
             if cause is not None:
                 self.log.debug("muted %s after a %s: %s", inc.key, cause, inc.summary)
                 continue
