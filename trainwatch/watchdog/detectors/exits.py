@@ -45,13 +45,13 @@ class ExitDetector(Detector):
         # loss_nan incident already tells that story; their stop is its action.
         stopped = [e for e in failed if e.policy_stop and e.signal_name is None and e not in lost]
         failed = [e for e in failed if e not in lost and e not in stopped]
-        if stopped and not [e for e in failed if e.first or e.signal_name not in self.config.teardown_signals]:
+        # Nothing here failed of its own (only the launcher's teardown of the
+        # rest): the policy stop or the lost contact is all there is to this node's story.
+        own = [e for e in failed if e.first or e.signal_name not in self.config.teardown_signals]
+        if stopped and not own:
             self._last_failure = view.now
             return []
         recent = self._last_failure is not None and view.now - self._last_failure < self.config.collateral_s
-        # Nothing here failed of its own (only the launcher's teardown of the
-        # rest): the lost contact is all there is to this node's story.
-        own = [e for e in failed if e.first or e.signal_name not in self.config.teardown_signals]
         if (lost and not own) or not failed:
             if recent:
                 return []
