@@ -248,8 +248,10 @@ def test_sigterm_to_a_script_without_state_says_what_was_not_saved(tmp_path):
     def stepping(home, job, proc, lines) -> bool:
         from trainwatch import state
 
-        rec = job_json(home, job) or {}
-        return rec.get("status") == "running" and state.JobDir(job, root=home).telemetry_file.exists()
+        # Both ranks attached and stepping: before that no rank is there to ask, and the
+        # message would be "no live rank", not the one this test is about.
+        rows = (state.JobDir(job, root=home).telemetry() or {}).get("ranks") or []
+        return len(rows) == 2 and all((r.get("step") or 0) >= 2 for r in rows)
 
     rc, out = preempt(tmp_path, job, [str(SCRIPTS / "plain_ddp.py"), "--steps", "100000", "--sleep", "0.05"],
                       stepping)
