@@ -14,9 +14,14 @@ without, ON/OFF interleaved so machine drift hits both equally.
 zero_code_*: an unmodified DDP script with 10 collectives per step
 (benchmarks/scripts/collective_heavy.py: DDP's gradient all-reduce and nine
 metric all-reduces) run whole under `trainwatch launch` and under plain
-torchrun, alternately, `--zero-code-pairs` times: median step time ratio
-(goal <= 1.02) and CPU time per step of the ranks, all their threads
-(sampler included), ratio (goal <= 1.03).
+torchrun, alternately, `--zero-code-pairs` times, each rank pinned to a CPU:
+the median over pairs of the step time ratio (goal <= 1.02) and of the ratio
+of CPU time per step of the ranks, all their threads (sampler included; goal
+<= 1.03); *_range gives the lowest and highest pair, the run-to-run spread.
+zero_code_rank_side_share: what trainwatch itself costs a rank, as a fraction
+of its step time (goal < 0.01): the CPU of its sampler thread per step (from
+the same runs) plus ten collectives' worth of collective_wrapper_ns (a wrapped
+against an unwrapped all_reduce, measured here).
 
 Prints progress to stderr; the LAST line on stdout is one JSON object.
 """
@@ -139,8 +144,43 @@ def measure_step_ratio(args: argparse.Namespace) -> dict:
     return {"step_ms_on": round(on * 1e3, 3), "step_ms_off": round(off * 1e3, 3), "ratio": on / off, "steps": len(times["on"])}
 
 
-def _zero_code_run(launcher: str, ranks: int, steps: int) -> tuple[float, float]:
-    """(median step s, CPU s per step summed over ranks) of one run of the collective-heavy script."""
+def measure_wrapper_ns(calls: int = 2000, batches: int = 9) -> float:
+    """What trainwatch's wrapper adds to one blocking collective: a 4-float
+    all_reduce on a one-rank gloo group, wrapped (counted, marked as a wait in
+    the slot) against the same call unwrapped, interleaved batches."""
+    import socket
+
+    from trainwatch.rank import collectives
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = os.path.join(tempfile.mkdtemp(), "seg")
+    slots.create_segment(path, 1)
+    tw = api.Telemetry(slots.Segment(path), 0, rank=0, world_size=1, restart=0, attached=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        collectives.install(tw)
+        wrapped = dist.all_reduce
+        raw = wrapped.__wrapped__
+        t = torch.zeros(4)
+        per_call: dict[bool, list[float]] = {True: [], False: []}
+        for b in range(batches * 2):
+            on = b % 2 == 0
+            fn = wrapped if on else raw
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                fn(t)
+            per_call[on].append((time.perf_counter_ns() - t0) / calls)
+        return max(statistics.median(per_call[True]) - statistics.median(per_call[False]), 0.0)
+    finally:
+        tw.close()
+        dist.destroy_process_group()
+
+
+def _zero_code_run(launcher: str, ranks: int, steps: int) -> tuple[float, float, float]:
+    """(median step s, CPU s per step summed over ranks, of which in trainwatch's
+    threads) of one run of the collective-heavy script, each rank pinned to a CPU."""
     import subprocess
     from pathlib import Path
 
@@ -153,18 +193,19 @@ def _zero_code_run(launcher: str, ranks: int, steps: int) -> tuple[float, float]
         cmd = [str(BIN / "trainwatch"), "launch", "--nproc-per-node", str(ranks), "--job", "overhead", "--no-restart"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-    r = subprocess.run([*cmd, script, "--steps", str(steps), "--out", out], env=env_for(home), cwd=str(ROOT),
+    r = subprocess.run([*cmd, script, "--steps", str(steps), "--out", out, "--pin"], env=env_for(home), cwd=str(ROOT),
                        capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise RuntimeError(f"{launcher} run failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
     per_rank = [json.loads(Path(f"{out}.rank{k}.json").read_text()) for k in range(ranks)]
     step_s = statistics.median(statistics.median(p["step_s"]) for p in per_rank)
     cpu = sum(p["cpu_s"] / len(p["step_s"]) for p in per_rank)
-    return step_s, cpu
+    tw_cpu = sum(p.get("trainwatch_cpu_s", 0.0) / len(p["step_s"]) for p in per_rank)
+    return step_s, cpu, tw_cpu
 
 
 def measure_zero_code(ranks: int, pairs: int, steps: int) -> dict:
-    runs: dict[str, list[tuple[float, float]]] = {"trainwatch": [], "torchrun": []}
+    runs: dict[str, list[tuple[float, float, float]]] = {"trainwatch": [], "torchrun": []}
     for pair in range(pairs):
         order = ("trainwatch", "torchrun") if pair % 2 == 0 else ("torchrun", "trainwatch")
         for launcher in order:
@@ -173,9 +214,26 @@ def measure_zero_code(ranks: int, pairs: int, steps: int) -> dict:
         print(f"  pair {pair + 1}/{pairs}: trainwatch {tw[0] * 1e3:.2f} ms/step, {tw[1] * 1e3:.2f} ms CPU; "
               f"torchrun {tr[0] * 1e3:.2f} ms/step, {tr[1] * 1e3:.2f} ms CPU", file=sys.stderr, flush=True)
     med = {k: (statistics.median(v[0] for v in vs), statistics.median(v[1] for v in vs)) for k, vs in runs.items()}
+    # Ratios within a pair (two runs minutes apart at most), then their median:
+    # on a shared machine the speed of whole runs drifts by tens of percent from
+    # one minute to the next, which a ratio of two separate medians would keep.
+    pairs_of = list(zip(runs["trainwatch"], runs["torchrun"]))
+    pair_step = sorted(tw[0] / tr[0] for tw, tr in pairs_of)
+    pair_cpu = sorted(tw[1] / tr[1] for tw, tr in pairs_of)
+    print("  per collective: what trainwatch's wrapper adds ...", file=sys.stderr, flush=True)
+    wrapper_ns = measure_wrapper_ns()
+    # The rank-side cost itself, free of that noise: the sampler thread's CPU
+    # and ten wrapped collectives, per step of one rank.
+    sampler_s = statistics.median(v[2] for v in runs["trainwatch"]) / ranks
+    step_s = med["trainwatch"][0]
     return {
-        "zero_code_step_ratio": round(med["trainwatch"][0] / med["torchrun"][0], 4),
-        "zero_code_cpu_ratio": round(med["trainwatch"][1] / med["torchrun"][1], 4),
+        "zero_code_rank_side_share": round((sampler_s + 10 * wrapper_ns * 1e-9) / step_s, 5),
+        "zero_code_sampler_share": round(sampler_s / step_s, 5),
+        "collective_wrapper_ns": round(wrapper_ns, 1),
+        "zero_code_step_ratio": round(statistics.median(pair_step), 4),
+        "zero_code_cpu_ratio": round(statistics.median(pair_cpu), 4),
+        "zero_code_step_ratio_range": [round(pair_step[0], 3), round(pair_step[-1], 3)],
+        "zero_code_cpu_ratio_range": [round(pair_cpu[0], 3), round(pair_cpu[-1], 3)],
         "zero_code_step_ms": {k: round(v[0] * 1e3, 3) for k, v in med.items()},
         "zero_code_cpu_ms_per_step": {k: round(v[1] * 1e3, 3) for k, v in med.items()},
         "zero_code_collectives_per_step": 10,
@@ -192,7 +250,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one rank per GPU (ranks beyond the GPUs share them), NCCL")
-    p.add_argument("--zero-code-pairs", type=int, default=3, help="trainwatch/torchrun run pairs (0 = skip)")
+    p.add_argument("--zero-code-pairs", type=int, default=8, help="trainwatch/torchrun run pairs (0 = skip)")
     p.add_argument("--zero-code-steps", type=int, default=400)
     p.add_argument("--skip-trainer", action="store_true", help="only the zero-code row")
     args = p.parse_args()

@@ -234,15 +234,22 @@ class FakeRecorder:
     """A flight recorder whose whole-buffer dump costs `cost_s` of a fake clock,
     with `per_round` collectives launched between two sampler rounds."""
 
-    def __init__(self, cost_s: float, per_round: int = 10):
+    def __init__(self, cost_s: float, per_round: int = 10, per_entry_s: float = 0.0, capacity: int = 2000):
         self.now, self.cost_s, self.per_round = 0.0, cost_s, per_round
+        self.per_entry_s, self.capacity = per_entry_s, capacity
         self.seq, self.done = 0, 0
+        self.spent = 0.0
 
     def __call__(self, includeCollectives=True, onlyActive=False):
+        entries = []
         if includeCollectives:
-            self.now += self.cost_s
+            # per_entry_s: a dump costs what the buffer holds (as torch's does), else cost_s.
+            held = self.capacity if self.per_entry_s else 50
+            entries = [entry(s) for s in range(max(1, self.seq - held + 1), self.seq + 1)]
+            cost = self.per_entry_s * len(entries) if self.per_entry_s else self.cost_s
+            self.now += cost
+            self.spent += cost
         status = {"0": {"last_enqueued_collective": str(self.seq), "last_completed_collective": str(self.done)}}
-        entries = [entry(s) for s in range(max(1, self.seq - 50), self.seq + 1)] if includeCollectives else []
         return fake_dump(entries, status)
 
     def round(self, dt=0.2):
@@ -278,6 +285,24 @@ def test_reader_reads_the_whole_buffer_within_its_duty_budget(monkeypatch, cost_
     assert r.full_reads <= 1 + span / max(FULL_READ_MIN_S, cost_s / FULL_READ_DUTY)
     assert r.full_reads * cost_s / span <= FULL_READ_DUTY * 1.2 or r.full_reads * FULL_READ_MIN_S <= span + 1
     assert r.arrivals is None or r.arrivals[1]  # published when read, else left as they were
+
+
+def test_reader_budgets_the_buffer_as_it_fills_not_as_it_was(monkeypatch):
+    """1500 collectives a second fill the 2000-entry buffer within two seconds: a
+    first read of a young buffer is cheap, the next of a full one is not. At no
+    time may the reads have taken more than the duty budget plus that first read
+    (the second read used to come after 1 s, at the young buffer's price)."""
+    from trainwatch.rank.flightrec import FULL_READ_DUTY
+
+    rec = FakeRecorder(0.0, per_round=300, per_entry_s=40e-6)
+    r = fake_reader(monkeypatch, rec)
+    first = None
+    for _ in range(1500):  # 300 s
+        rec.round()
+        r.sample()
+        first = rec.spent if first is None else first
+        assert rec.spent <= FULL_READ_DUTY * rec.now * 1.02 + first, (rec.now, r.full_reads)
+    assert r.full_reads >= 15  # still read about every 16 s (80 ms / 0.5%)
 
 
 def test_reader_reads_nothing_more_while_no_collective_runs(monkeypatch):

@@ -11,6 +11,7 @@ shape and falls back to None (the sampler then publishes its own counts).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import zlib
@@ -51,7 +52,9 @@ def merged_dump(dumps, **kw) -> dict:
 FULL_READ_DUTY = 0.005
 """Fraction of wall time the whole-buffer reads may take: a dump of 2000 entries
 costs tens of milliseconds (the JSON is built in C++ and parsed here), so it is
-read at most once per cost / FULL_READ_DUTY, and only when collectives ran."""
+read at most once per cost / FULL_READ_DUTY, and only when collectives ran. The
+cost is that of the buffer as it is now: the last read's cost scaled by the
+entries added since (a read of a young buffer is cheap, the next one is not)."""
 FULL_READ_MIN_S = 1.0
 """...and at most once a second."""
 PARKED_READ_S = 1.0
@@ -88,7 +91,11 @@ class FlightRecorderReader:
         """Local pg_id -> last enqueued sequence number at the last full read."""
         self._still: dict[int, tuple[int, float]] = {}
         """Local pg_id -> (outstanding sequence number, since when) while one is outstanding."""
-        self._next_full = 0.0
+        self._full_at = -math.inf
+        """When the last whole-buffer read was (the reader's clock)."""
+        self._full_cost = (0.0, 0)
+        """(seconds, entries) of the last whole-buffer read."""
+        self._capacity = 2000
         self.full_reads = 0
         """Whole-buffer reads so far (the benchmark's and tests' view of the cost)."""
         self._last: list[slots.CollectiveGroup] | None = None
@@ -101,6 +108,10 @@ class FlightRecorderReader:
         (arrival_source, [(seq, t_ns), ...]), or None (leave them as they are)."""
         if not os.environ.get(env.FR_BUFFER_SIZE):
             return
+        try:
+            self._capacity = max(1, int(os.environ[env.FR_BUFFER_SIZE]))
+        except ValueError:
+            pass
         try:
             import torch._C._distributed_c10d as c10d
 
@@ -138,10 +149,11 @@ class FlightRecorderReader:
                 start = self._clock()
                 data = self._dump(True)
                 status = self._status(data.get("pg_status") or {}) or status
-                self._read_entries(data.get("entries") or ())
+                entries = data.get("entries") or ()
+                self._read_entries(entries)
                 self._read_at = {local: enq for local, (enq, _done) in status.items()}
-                cost = max(self._clock() - start, 0.0)
-                self._next_full = now + max(FULL_READ_MIN_S, cost / FULL_READ_DUTY)
+                self._full_cost = (max(self._clock() - start, 0.0), len(entries) if isinstance(entries, list) else 0)
+                self._full_at = now
                 self.full_reads += 1
         except Exception:  # noqa: BLE001 - a private API: any failure means "not available"
             self.available = False
@@ -188,7 +200,17 @@ class FlightRecorderReader:
                 still[local] = (enq, since)
                 parked |= local in moved and now - since >= PARKED_READ_S
         self._still = still
-        return parked or now >= self._next_full
+        return parked or now - self._full_at >= max(FULL_READ_MIN_S, self.next_read_cost(status) / FULL_READ_DUTY)
+
+    def next_read_cost(self, status: dict[int, tuple[int, int]]) -> float:
+        """What a whole-buffer read would cost now: the last one's cost per entry
+        times the entries the buffer holds by now (the last read's, plus the
+        collectives launched since, up to the buffer's size)."""
+        cost, entries = self._full_cost
+        if not entries:
+            return cost
+        added = sum(max(enq - self._read_at.get(local, 0), 0) for local, (enq, _done) in status.items())
+        return cost * max(1.0, min(self._capacity, entries + added) / entries)
 
     def _read_entries(self, entries) -> None:
         found: dict[int, tuple[int, int]] = {}
