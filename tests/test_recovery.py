@@ -86,6 +86,21 @@ def test_rank_killed_during_emergency_write(tmp_path, reference):
     assert not any(p.name.startswith("step-") and "-r1" in p.name and "emergency" in p.name for p in ckpt.iterdir())
 
 
+def test_rank_killed_inside_a_periodic_checkpoint(tmp_path, reference):
+    """Rank 0 is killed while it writes the periodic checkpoint of step 25 (its
+    state file open, nothing renamed): the half-written temp directory is never
+    taken for a checkpoint, the job resumes bit-identically, and no temp
+    directory is left behind."""
+    ckpt = tmp_path / "ckpt"
+    r = trainwatch(tmp_path, "launch", "--nproc-per-node", "4", "--job", "pkill",
+                   "--inject", "crash:rank=0,step=20,at=checkpoint", *TRAINER, "--ckpt-dir", str(ckpt), timeout=400)
+    ev = assert_recovered(tmp_path, "pkill", ckpt, reference, r)
+    assert ev["resumed_from_step"] == 25, ev  # the survivors' emergency checkpoints of that step
+    assert not list(ckpt.glob(".tmp-*")), sorted(p.name for p in ckpt.iterdir())
+    crash = next(e for e in events(tmp_path, "pkill") if e["kind"] == "crash")
+    assert crash["culprit_ranks"] == [0], crash
+
+
 def test_sidecar_killed_mid_run_training_goes_on(tmp_path):
     proc = start(tmp_path, "launch", "--nproc-per-node", "2", "--job", "sckill", "-m", "trainwatch.trainer",
                  "--model-size", "tiny", "--max-steps", "150", "--log-interval", "50")

@@ -39,7 +39,7 @@ DEFAULTS: dict[str, dict] = {
     "slow_step": {"where": "data", "delay": 1.0, "every": 0},
 }
 """Parameters a kind takes when the spec leaves them out."""
-CRASH_AT = ("forward", "emergency_write")
+CRASH_AT = ("forward", "emergency_write", "checkpoint")
 HARDWARE_KINDS = frozenset({"xid", "ecc"})
 """Faults the sidecar injects (a fake NVML, kernel-log lines), not the ranks."""
 
