@@ -950,6 +950,16 @@ def test_exit_code_is_a_crash():
     assert inc.evidence["exits"][0]["exitcode"] == 1
 
 
+def test_ranks_that_fail_alike_at_once_are_one_crash():
+    """Every rank raising the same error before its first step: one fault, one
+    incident naming them all; ranks that fail in different ways stay apart."""
+    [inc] = ExitDetector().check(exit_view(10.0, [rank_exit(0, 1, pid=70), rank_exit(1, 1, pid=71)]))
+    assert inc.culprit_ranks == [0, 1] and inc.victims == []
+    assert inc.summary == "crash: ranks 0,1 (pids 70,71 on node0) exited with code 1"
+    incs = ExitDetector().check(exit_view(10.0, [rank_exit(0, 1, pid=70), rank_exit(1, -11, pid=71)]))
+    assert sorted(i.culprit_ranks for i in incs) == [[0], [1]]
+
+
 def test_exit_code_zero_is_not_a_crash():
     det = ExitDetector()
     assert det.check(exit_view(10.0, [rank_exit(r, 0) for r in range(4)])) == []

@@ -71,3 +71,21 @@ def test_dashboards_with_a_bad_flag_is_one_line(tmp_path):
     r = subprocess.run([str(BIN / "trainwatch"), "dashboards", "--bogus"], env=env_for(tmp_path),
                        capture_output=True, text=True, timeout=60, cwd=str(ROOT))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
+
+
+def test_the_command_ends_at_once_after_torch_yet_runs_its_exit_handlers(tmp_path):
+    """After a command that imported torch the process skips tearing torch down,
+    but still runs every exit handler, flushes its output and keeps its exit code."""
+    import sys
+
+    marker = tmp_path / "atexit-ran"
+    code = ("import atexit, sys, torch\n"
+            f"atexit.register(lambda: open({str(marker)!r}, 'w').write('ran'))\n"
+            "sys.argv = ['trainwatch', 'no-such-command']\n"
+            "print('before', end='')\n"
+            "from trainwatch.cli import entry\n"
+            "entry()\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env_for(tmp_path), capture_output=True, text=True,
+                       timeout=120, cwd=str(ROOT))
+    assert r.returncode == 2 and r.stdout.startswith("before"), (r.stdout, r.stderr)
+    assert "unknown command" in r.stderr and marker.read_text() == "ran"

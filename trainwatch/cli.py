@@ -3,8 +3,10 @@ input: one `error: ...` line naming the fix, exit code 2, never a traceback."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import threading
 
 from trainwatch import __version__, state
 from trainwatch.usage import Parser, fail
@@ -122,6 +124,23 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+
+
+def entry() -> None:
+    """The `trainwatch` command. After `launch` (torch imported, the job's state
+    written and closed, only the main thread left) the exit handlers run and
+    the process ends at once: tearing torch's modules down one by one would
+    hold the job's exit code back by most of a second."""
+    code = main()
+    if "torch" in sys.modules and threading.active_count() == 1:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
 
 
 def _main(argv: list[str] | None) -> int:

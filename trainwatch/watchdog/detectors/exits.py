@@ -26,7 +26,8 @@ class ExitConfig:
 
 
 class ExitDetector(Detector):
-    """Reports one `crash` incident per failed rank process."""
+    """Reports a `crash` incident for the rank processes that failed: one per way
+    of failing (a signal, an exit code), naming every rank that failed so."""
 
     name = "exits"
 
@@ -80,7 +81,12 @@ class ExitDetector(Detector):
         if primary:
             self._last_failure = view.now
             victims = [e.rank for e in teardown]
-            return [self._crash(view, [e], victims) for e in primary]
+            # Ranks that ended the same way at once (every rank raising the same
+            # error before its first step) are one fault: one incident naming them all.
+            alike: dict[tuple, list[RankExit]] = {}
+            for e in primary:
+                alike.setdefault((e.signal_name, e.exitcode, e.early), []).append(e)
+            return [self._crash(view, group, victims) for group in alike.values()]
         if recent:
             return []
         self._last_failure = view.now
