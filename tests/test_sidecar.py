@@ -198,6 +198,44 @@ def test_the_writer_coalesces_and_drains():
     assert ran[-1] != "late"
 
 
+def test_the_writer_gives_way_while_a_tick_runs():
+    """The writer's pause points hold while a tick runs and pass at once
+    otherwise: a snapshot of thousands of ranks is encoded between ticks."""
+    from trainwatch.watchdog.writer import TickGate
+
+    gate = TickGate()
+    gate.pause()  # no tick: returns at once
+    paused, resumed = threading.Event(), threading.Event()
+
+    def writer():
+        paused.set()
+        gate.pause()
+        resumed.set()
+
+    with gate.ticking():
+        t = threading.Thread(target=writer)
+        t.start()
+        assert paused.wait(10)
+        assert not resumed.wait(0.2)  # still ticking: the writer waits
+    assert resumed.wait(10)
+    t.join(10)
+
+
+def test_decoding_and_encoding_many_ranks_pause_every_few_hundred_rows():
+    from slot_tables import make_table
+
+    from trainwatch import rankrow
+
+    calls = []
+    table = make_table(1000)
+    rows = rankrow.decode(table, 1.0, "n0", pause=lambda: calls.append("decode"))
+    as_json = rankrow.rows_json(rows, pause=lambda: calls.append("rows"))
+    text = state.dumps_compact({"ranks": as_json, "n": 1}, pause=lambda: calls.append("json"))
+    assert calls.count("decode") == calls.count("rows") == calls.count("json") == 3  # rows 256, 512, 768
+    assert json.loads(text) == {"ranks": as_json, "n": 1}
+    assert rows == rankrow.decode(table, 1.0, "n0")
+
+
 def test_the_loop_never_waits_on_a_slow_write(job):
     """A snapshot and history write that take as long as the disk likes (here:
     until released) hold neither the detection rounds nor each other's slot;
@@ -243,3 +281,21 @@ def test_slow_writes_are_spaced_out():
     writer.seconds["snapshot"] = 1.0  # a write of thousands of ranks on a slow disk
     assert writer.spacing("snapshot", 2.0) == DUTY_FACTOR * 1.0
     writer.close()
+
+
+def test_compact_json_is_the_encoders_text_slice_by_slice():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3),
+                                                                                             inner, max_size=3),
+                          max_leaves=8)
+    keys = st.text(max_size=4) | st.integers() | st.booleans() | st.none()
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.dictionaries(keys, values | st.lists(scalars, min_size=250, max_size=700), max_size=4))
+    def check(data):
+        assert state.dumps_compact(data, pause=lambda: None) == json.dumps(data, separators=(",", ":"))
+
+    check()

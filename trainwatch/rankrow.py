@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from trainwatch import codec, slots
 
@@ -90,8 +90,15 @@ def progress_mono(table):
     return np.fmax(table["progress_mono"], table["active_mono"])
 
 
-def decode(table, now: float, nodes: Sequence[str] | str = "") -> list[RankRow]:
-    """Live rows (pid > 0) of a slot table as RankRows, sorted by rank."""
+PAUSE_EVERY = 256
+"""Rows decoded (or encoded) between two calls of a `pause` callback."""
+
+
+def decode(table, now: float, nodes: Sequence[str] | str = "",
+           pause: Callable[[], object] | None = None) -> list[RankRow]:
+    """Live rows (pid > 0) of a slot table as RankRows, sorted by rank.
+    pause: called every PAUSE_EVERY rows (a writer thread giving way to the
+    sidecar's detection loop)."""
     labels = [nodes] * len(table) if isinstance(nodes, str) else list(nodes)
     if not len(table):
         return []
@@ -104,6 +111,8 @@ def decode(table, now: float, nodes: Sequence[str] | str = "") -> list[RankRow]:
     g_pg, g_enq, g_done, g_op = (groups[k].tolist() for k in ("pg", "enqueued", "completed", "last_op"))
     rows = []
     for i, node in enumerate(labels[: len(table)]):
+        if pause is not None and i and not i % PAUSE_EVERY:
+            pause()
         if c["pid"][i] <= 0:
             continue
         hb = c["heartbeat_mono"][i]
@@ -149,8 +158,13 @@ _COLUMNS = ("pid", "rank", "local_rank", "restart", "step", "step_source", "loss
             "batches", "ngroups", "lr", "loss_scale", "zero_grad_frac", *(p + "_s" for p in PHASE_TIMES))
 
 
-def rows_json(rows: Iterable[RankRow]) -> list[dict]:
-    return [r.to_json() for r in rows]
+def rows_json(rows: Iterable[RankRow], pause: Callable[[], object] | None = None) -> list[dict]:
+    out = []
+    for i, r in enumerate(rows):
+        if pause is not None and i and not i % PAUSE_EVERY:
+            pause()
+        out.append(r.to_json())
+    return out
 
 
 def from_json(d: Any) -> RankRow | None:

@@ -30,7 +30,7 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainwatch import codec, env, historyfile, records
 from trainwatch.records import finite_number, is_int
@@ -102,15 +102,46 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o600, durable: b
         raise
 
 
-def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
+def write_json_atomic(path: Path, data: Any, *, durable: bool = True,
+                      pause: Callable[[], object] | None = None) -> None:
     """Replace path with data. durable=False skips the fsync (and the pretty
     printing): for snapshots rewritten every few seconds, where a crash may
-    lose the last one."""
+    lose the last one (and its long lists are encoded a slice at a time, with
+    `pause` called between slices, see dumps_compact)."""
     if durable:
         payload = json.dumps(data, indent=2, sort_keys=True, default=str)
     else:
-        payload = json.dumps(data, separators=(",", ":"), default=str)
+        payload = dumps_compact(data, pause=pause, default=str)
     write_atomic(path, payload, durable=durable)
+
+
+SLICE = 256
+"""Items of a long list encoded in one go by dumps_compact."""
+
+
+def dumps_compact(data: Any, pause: Callable[[], object] | None = None, **kw: Any) -> str:
+    """json.dumps(data, separators=(",", ":"), **kw), the same text, with the
+    long lists of a top-level object (a snapshot's thousands of ranks) encoded
+    SLICE items at a time, `pause` called between slices: one encoder call
+    holds the interpreter lock until it is done, and over thousands of rows
+    that is a tenth of a second in which the thread next to it (the sidecar's
+    detection loop) cannot run."""
+    kw["separators"] = (",", ":")
+    if not isinstance(data, dict) or not any(isinstance(v, list) and len(v) > SLICE for v in data.values()):
+        return json.dumps(data, **kw)
+    parts = []
+    for key, value in data.items():
+        if isinstance(value, list) and len(value) > SLICE:
+            chunks = []
+            for i in range(0, len(value), SLICE):
+                if pause is not None and i:
+                    pause()
+                chunks.append(json.dumps(value[i:i + SLICE], **kw)[1:-1])
+            text = "[" + ",".join(chunks) + "]"
+        else:
+            text = json.dumps(value, **kw)
+        parts.append(json.dumps({key: 0}, **kw)[1:-3] + ":" + text)  # the key as the encoder writes keys
+    return "{" + ",".join(parts) + "}"
 
 
 def append_line(path: Path, line: str) -> None:

@@ -86,12 +86,13 @@ class HistoryWriter:
         return now
 
     def sample(self, rows: Callable[[], list[RankRow]], ratios: Callable[[], dict[int, float]] | None,
-               now: float) -> bool:
-        """Append the sample claimed at `now`; never raises."""
+               now: float, pause: Callable[[], object] | None = None) -> bool:
+        """Append the sample claimed at `now`; never raises. pause: called now
+        and then on the way (a writer thread giving way to the detection loop)."""
         try:
             record = self.record(rows(), ratios() if ratios is not None else {}, now)
             if record["r"]:
-                self.append(record)
+                self.append(record, pause)
         except Exception as e:  # noqa: BLE001 - the watchdog loop must go on
             if not self._warned:
                 self._warned = True
@@ -123,8 +124,8 @@ class HistoryWriter:
                         r.last_progress_s, ratio])
         return {"t": round(self.wall(), 3), "r": out}
 
-    def append(self, record: dict) -> None:
-        line = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    def append(self, record: dict, pause: Callable[[], object] | None = None) -> None:
+        line = (state.dumps_compact(record, pause=pause, allow_nan=False) + "\n").encode()
         if self._size is None:
             # The job directory is the launcher's (0700); only history/ is ours.
             self.path.parent.mkdir(mode=0o700, exist_ok=True)

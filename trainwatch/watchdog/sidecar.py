@@ -43,7 +43,7 @@ from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.goodput import GoodputFeed
 from trainwatch.watchdog.recovery import RestartTracker
 from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate, incident_step
-from trainwatch.watchdog.writer import BackgroundWriter, snapshot_job, submit_writes
+from trainwatch.watchdog.writer import BackgroundWriter, TickGate, snapshot_job, submit_writes
 
 log = logging.getLogger("trainwatch.sidecar")
 
@@ -113,6 +113,7 @@ class Sidecar:
                 add_timings=self.goodput.timings_to(self.recovery.add_timings), out=self.out, tracer=tracer))
         # ~1 sample/s of every rank for `trainwatch report`; bounded in size.
         self.history = HistoryWriter(self.dir.history_file(self.node), clock=clock)
+        self.tick_gate = TickGate()  # the writer thread gives way while a tick runs
 
     # ---- what the exporter reads ------------------------------------------------------
 
@@ -331,7 +332,8 @@ class Sidecar:
                 break
             try:
                 self.tick_started(time.monotonic())
-                self.tick()
+                with self.tick_gate.ticking():
+                    self.tick()
                 due = time.monotonic() - last_snapshot >= writer.spacing("snapshot", self.config.snapshot_s)
                 submit_writes(self, writer, snapshot=due)
                 if due:

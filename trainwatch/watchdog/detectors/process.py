@@ -5,7 +5,7 @@ A stopped rank (`/proc` state T: SIGSTOP, job control) and a zombie (state Z:
 it exited, or its main thread ended while other threads run on, and nobody
 reaped it) are visible the moment they happen, while the hang detector needs
 its floor (5 s) of no progress to call them. Each tick this detector reads the
-state of every local rank's pid (a few microseconds each) and reports a rank
+state of every local rank's pid once (a few microseconds each) and reports a rank
 seen in one of these states for `confirm_s`: a stopped rank as a `hang` (key
 `hang:<ranks>`, the same as the hang detector's, so its later report of the
 same stall is the same incident), a zombie as a `crash` (key
@@ -64,15 +64,17 @@ class ProcessStateDetector(Detector):
         now = view.now
         seen: dict[tuple[int, str], float] = {}
         rows: dict[str, list[int]] = {s: [] for s in _FAULT_STATES}
-        for r in np.nonzero(t["phase"] != _DONE)[0]:
-            pid = int(t["pid"][r])
+        live = np.nonzero(t["phase"] != _DONE)[0]
+        # Each process read once a tick, whatever number of slots name it.
+        pids, slot_of = np.unique(t["pid"][live], return_inverse=True)
+        for j, pid in enumerate(int(p) for p in pids):
             state = probe(pid)
             if state not in _FAULT_STATES:
                 continue
             key = (pid, state)
             seen[key] = self._since.get(key, now)
             if now - seen[key] >= self.config.confirm_s - 1e-9 and key not in self._reported:
-                rows[state].append(int(r))
+                rows[state].extend(int(r) for r in live[slot_of.reshape(-1) == j])
         self._since = seen
         self._reported &= set(seen)  # a pid that left the state may enter it again
         out = []
