@@ -81,8 +81,26 @@ class SimulatedNode:
         self.sidecar = Sidecar(job, self.path, node=node, out=io.StringIO(), jobstore=jobstore, aggregate=aggregate)
 
     def advance(self) -> None:
+        """Every rank completes one more step now. The first call builds the
+        table; later ones move only what a step moves (the simulated ranks share
+        the sidecar's process here, so their writes must not hold its lock for
+        long: real ranks are processes of their own)."""
+        from slot_tables import set_ring
+
+        from trainwatch import slots
+
         self.step += 1
-        self.table = _fill(self.segment, self.n, self.base, now=time.monotonic(), step=self.step)
+        now, step = time.monotonic(), self.step
+        if getattr(self, "table", None) is None:
+            self.table = _fill(self.segment, self.n, self.base, now=now, step=step)
+            return
+        t = self.table
+        t["step"] = t["sampled_step"] = step
+        t["py_collectives"] = 2 * step
+        t["progress_mono"] = t["phase_mono"] = t["heartbeat_mono"] = now
+        set_ring(t, step, colls=t["py_collectives"], seq=3 * step)
+        t["groups"]["enqueued"][:, 0] = t["groups"]["completed"][:, 0] = 3 * step
+        np.frombuffer(self.segment.buf, dtype=slots.slot_dtype(), count=self.n, offset=slots.HEADER_SIZE)[:] = t
 
 
 def scrape(url: str, rounds: int = 3) -> tuple[int, float]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from trainwatch import env, state
-from trainwatch.rankrow import RankRow
+from trainwatch.rankrow import PAUSE_EVERY, RankRow
 
 log = logging.getLogger("trainwatch.history")
 
@@ -90,7 +90,7 @@ class HistoryWriter:
         """Append the sample claimed at `now`; never raises. pause: called now
         and then on the way (a writer thread giving way to the detection loop)."""
         try:
-            record = self.record(rows(), ratios() if ratios is not None else {}, now)
+            record = self.record(rows(), ratios() if ratios is not None else {}, now, pause)
             if record["r"]:
                 self.append(record, pause)
         except Exception as e:  # noqa: BLE001 - the watchdog loop must go on
@@ -101,11 +101,14 @@ class HistoryWriter:
             return False
         return True
 
-    def record(self, rows: list[RankRow], ratios: dict[int, float], now: float | None = None) -> dict:
+    def record(self, rows: list[RankRow], ratios: dict[int, float], now: float | None = None,
+               pause: Callable[[], object] | None = None) -> dict:
         """One sample of the ranks (RankRows decoded at `now`)."""
         now = self.clock() if now is None else now
         out = []
-        for r in rows:
+        for i, r in enumerate(rows):
+            if pause is not None and i and not i % PAUSE_EVERY:
+                pause()
             ratio = ratios.get(r.rank)
             ratio = _num(ratio, 4) if ratio is not None else None
             if r.step < 1:
