@@ -3,7 +3,6 @@ input: one `error: ...` line naming the fix, exit code 2, never a traceback."""
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 import threading
@@ -133,13 +132,9 @@ def entry() -> None:
     hold the job's exit code back by most of a second."""
     code = main()
     if "torch" in sys.modules and threading.active_count() == 1:
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        from trainwatch import procctl
+
+        os._exit(procctl.finish_interpreter(code))
     sys.exit(code)
 
 

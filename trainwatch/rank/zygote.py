@@ -166,7 +166,7 @@ def _become_worker(args: list[str], environ: dict, cwd: str, out: str | None, er
         tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         code = 1
-    return _finish(code)
+    return procctl.finish_interpreter(code)
 
 
 def _system_exit_code(e: SystemExit) -> int:
@@ -176,26 +176,6 @@ def _system_exit_code(e: SystemExit) -> int:
         return e.code & 0xFF
     print(e.code, file=sys.stderr)
     return 1
-
-
-def _finish(code: int) -> int:
-    """The interpreter's own shutdown, in its order: join non-daemon threads,
-    run atexit handlers, flush output."""
-    import threading
-
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except BaseException:  # noqa: BLE001
-        pass
-    import atexit
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    return code
 
 
 def _reseed() -> None:
@@ -230,12 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     # The agent let go: no user code ran here and nothing is left to save, so the
     # preloaded modules (torch among them) are not torn down one by one: that
     # would hold the job's exit back by most of a second.
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(0)
+    os._exit(procctl.finish_interpreter(0))
 
 
 if __name__ == "__main__":
