@@ -55,6 +55,8 @@ costs tens of milliseconds (the JSON is built in C++ and parsed here), so it is
 read at most once per cost / FULL_READ_DUTY, and only when collectives ran. The
 cost is that of the buffer as it is now: the last read's cost scaled by the
 entries added since (a read of a young buffer is cheap, the next one is not)."""
+SCALE_FROM = 200
+"""Entries below which a read's cost is taken as fixed, not per entry."""
 FULL_READ_MIN_S = 1.0
 """...and at most once a second."""
 PARKED_READ_S = 1.0
@@ -207,10 +209,10 @@ class FlightRecorderReader:
         times the entries the buffer holds by now (the last read's, plus the
         collectives launched since, up to the buffer's size)."""
         cost, entries = self._full_cost
-        if not entries:
-            return cost
         added = sum(max(enq - self._read_at.get(local, 0), 0) for local, (enq, _done) in status.items())
-        return cost * max(1.0, min(self._capacity, entries + added) / entries)
+        # A read of a few entries costs mostly its fixed part: scaled from fewer
+        # than SCALE_FROM entries, it would predict a cost it never has.
+        return cost * max(1.0, min(self._capacity, entries + added) / max(entries, SCALE_FROM))
 
     def _read_entries(self, entries) -> None:
         found: dict[int, tuple[int, int]] = {}
