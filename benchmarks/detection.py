@@ -16,8 +16,10 @@ client corpus (tests/clients/: Fabric, Lightning, accelerate, FSDP, pipeline,
 eval loops, RL rollouts, ...) run healthy and unmodified, twice, beside a
 CPU-hog process (false_incidents_clients: incidents of every kind, alert-only
 ones included; goal 0); hang_in_validating_script_s, a compute hang in an
-unmodified script that validates every 10 steps (goal <= 2 x hang_steady_s,
-the same hang in the steady trainer job); the sidecar's CPU use at 8 ranks, and one
+unmodified script that validates every 10 steps (goal <= 2 x hang_steady_s);
+hang_steady_s, the same hang at step 60 of an unmodified script of steady
+0.1 s steps (goal <= 2 s: the job's own steady threshold); stopped, exited
+and zombie (goal <= 1 s); the sidecar's CPU use at 8 ranks, and one
 detector round over 4096 synthetic ranks.
 
 Progress goes to stderr; the LAST stdout line is one JSON object.
@@ -46,6 +48,8 @@ FAULTS = {
     # The same compute hang in an unmodified script that validates every 10 steps (FAULT_WORKLOAD):
     # the validation steps must not inflate the training-step threshold (goal <= 2x hang_compute).
     "hang_in_validating_script": (f"hang:where=compute,rank={CULPRIT},step=45", "hang", GLOO_TIMEOUT),
+    # A hang on a steady 100 ms-step job, past the steps that make its own threshold (goal <= 2 s).
+    "hang_steady": (f"hang:where=compute,rank={CULPRIT},step=60", "hang", GLOO_TIMEOUT),
     "hang_gc": (f"hang:where=gc,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
     "hang_dataloader": (f"hang:where=dataloader,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
     "hang_checkpoint": (f"hang:where=checkpoint,rank={CULPRIT},step=8", "hang", GLOO_TIMEOUT),
@@ -84,6 +88,9 @@ FAULT_FLAGS = {"loss_rise": ["--trend-window-steps", "100"]}
 FAULT_WORKLOAD = {
     "straggler_zero_code": [str(ROOT / "tests" / "scripts" / "plain_ddp.py"), "--steps", "100000"],
     # 2 s validation passes (4 batches of 0.5 s) every 10 steps of ~0.05 s.
+    # Steps of 0.1 s (a sleep) and nothing else: no validation pass in 100000 steps.
+    "hang_steady": [str(ROOT / "tests" / "clients" / "ddp_validation.py"), "--steps", "100000",
+                    "--val-every", "1000000", "--sleep", "0.1"],
     "hang_in_validating_script": [str(ROOT / "tests" / "clients" / "ddp_validation.py"), "--steps", "100000",
                                   "--val-every", "10", "--val-sleep", "0.5", "--sleep", "0.05"],
 }
@@ -286,7 +293,7 @@ def main() -> None:
             sum(f["incidents_per_fault"] for f in detected) / len(detected), 3),
         "verdict_agrees": None if not judged else round(sum(f["verdict_agrees"] for f in judged) / len(judged), 3),
         "hang_in_validating_script_s": faults.get("hang_in_validating_script", {}).get("latency_s"),
-        "hang_steady_s": faults.get("hang_compute", {}).get("latency_s"),
+        "hang_steady_s": faults.get("hang_steady", faults.get("hang_compute", {})).get("latency_s"),
         "false_incidents": false_incidents,
         "false_incidents_clients": None if clients is None else sum(c["incidents"] for c in clients.values()),
         "restarts_clients": None if clients is None else sum(c["restarts"] for c in clients.values()),

@@ -252,10 +252,13 @@ def measure(work: Path, world: int, t0: float, t_end: float, fired: list[dict] =
     desynced = None
     for f in sorted((f for f in fired if f["kind"] == "collective_skip"), key=lambda f: f["mono"]):
         clean = max((x["step"] for x in steps[f["rank"]] if x["mono"] < f["mono"]), default=0)
-        final_start = min(max(x["mono"] for x in recs[r] if x["ev"] == "start") for r in range(world))
-        resumed = min(max((x for x in recs[r] if x["ev"] == "start"), key=lambda x: x["mono"]).get("resumed_from", 0)
-                      for r in range(world))
-        if final_start < f["mono"] or resumed > clean:
+        # The first restart after the skip, on every rank: none (nobody caught
+        # it), or one that resumed from a checkpoint written after it, leaves
+        # the lineage computing with wrong values; later restarts resume from
+        # checkpoints of that clean lineage.
+        after = [min((x for x in recs[r] if x["ev"] == "start" and x["mono"] > f["mono"]),
+                     key=lambda x: x["mono"], default=None) for r in range(world)]
+        if any(a is None for a in after) or max(a.get("resumed_from", 0) for a in after) > clean:
             desynced = {"at_s": round(f["mono"] - t0, 1), "clean_step": clean, "steps_not_counted": max(0, net - clean)}
             net = min(net, clean)
             break

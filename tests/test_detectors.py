@@ -1143,20 +1143,23 @@ def other_work_step(det, job, seconds, *, phase="eval", fetch=True) -> list[Inci
 def test_hang_steps_with_other_work_stay_out_of_the_training_threshold(phase, fetch):
     """A validation pass (or an RL rollout) every 20 steps makes those steps 10 s
     long: in the step history they would set the threshold to 5 x 10 s. They go
-    to their own history; a compute hang is still named at the floor."""
-    det = HangDetector()
-    job = SyncJob(2, step_s=0.2)
-    found = []
-    for _ in range(3):
+    to their own history; a compute hang is still named at the steady job's
+    threshold (1.5 s here), and at the floor with that threshold off."""
+    for steady_floor_s, quiet_s, named_s in ((1.5, 1.2, 2.0), (0.0, 4.0, 5.5)):
+        det = HangDetector(HangConfig(steady_floor_s=steady_floor_s))
+        job = SyncJob(2, step_s=0.2)
+        found = []
+        for _ in range(3):
+            found += run_steps(det, job, 20)
+            found += other_work_step(det, job, 10.0, phase=phase, fetch=fetch)
         found += run_steps(det, job, 20)
-        found += other_work_step(det, job, 10.0, phase=phase, fetch=fetch)
-    found += run_steps(det, job, 20)
-    assert found == []
-    set_rows(job.table, 1, phase="forward")
-    set_rows(job.table, 0, phase="collective")
-    assert det.check(job.at(job.now + 4.0)) == []
-    [inc] = det.check(job.at(job.now + 5.5))
-    assert inc.culprit_ranks == [1]
+        assert found == []
+        set_rows(job.table, 1, phase="forward")
+        set_rows(job.table, 0, phase="collective")
+        assert det.check(job.at(job.now + quiet_s)) == []
+        [inc] = det.check(job.at(job.now + named_s))
+        assert inc.culprit_ranks == [1]
+        assert inc.evidence["culprits"][1]["threshold_steady"] is (steady_floor_s > 0)
 
 
 def test_hang_a_rollout_the_job_never_showed_gets_the_slow_phase_allowance():

@@ -267,6 +267,15 @@ def test_zero_code_publishes_loss_norm_lr_scale_and_phase_times(tmp_path):
     assert recs[-1]["peak_step_s_step"] >= 2  # the first step (start-up) is never the peak
 
 
+def test_zero_code_torch_save_is_the_checkpoint_phase(tmp_path):
+    """A checkpoint written with torch.save (rank 0's alone while its peers
+    wait) gets the checkpoint phase's allowance; the phase before it comes back."""
+    recs = run_zero_code(tmp_path, "--steps", "2", "--save")
+    for r in recs:
+        assert r["save_phases"] == [slots.PHASE_CODES["checkpoint"]]
+        assert r["phase_after_save"] == slots.PHASE_CODES["compute"]
+
+
 def test_zero_code_sees_a_real_grad_scaler_halve_its_scale(tmp_path):
     """scale_collapse in an unmodified fp16-style script: from step 3 the scaler
     finds inf gradients, skips optimizer.step() and halves its scale every step;

@@ -11,6 +11,7 @@ The last stdout line is a JSON list: one record per iteration.
 """
 
 import argparse
+import io
 import json
 import os
 
@@ -24,6 +25,7 @@ p.add_argument("--scaler", action="store_true")
 p.add_argument("--clip", action="store_true")
 p.add_argument("--scheduler", action="store_true")
 p.add_argument("--lr", type=float, default=0.1)
+p.add_argument("--save", action="store_true", help="torch.save the model after each step (the phase is recorded)")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -38,6 +40,18 @@ segment = slots.Segment(os.environ["TRAINWATCH_SLOTS"])
 FIELDS = ("step", "loss", "grad_norm", "lr", "loss_scale", "zero_grad_frac", "data_s", "backward_s", "optimizer_s",
           "peak_step_s", "peak_step_s_step", "peak_data_s", "peak_backward_s", "peak_optimizer_s")
 records = []
+
+
+class PhaseProbe(io.BytesIO):
+    """A file torch.save writes to: notes the slot's phase while it writes."""
+
+    seen: set = set()
+
+    def write(self, b):
+        PhaseProbe.seen.add(int(segment.read_table()[0]["phase"]))
+        return super().write(b)
+
+
 for i in range(args.steps):
     (batch,) = next(iter(data))
     loss = model(batch).pow(2).mean()
@@ -62,5 +76,9 @@ for i in range(args.steps):
     rec.update(own_loss=own_loss, own_norm=norm, own_lr=lr_used, own_lr_after=opt.param_groups[0]["lr"],
                own_scale=scaler.get_scale() if scaler is not None else None,
                weights=float(sum(q.detach().abs().sum() for q in model.parameters())))
+    if args.save:
+        PhaseProbe.seen = set()
+        torch.save(model.state_dict(), PhaseProbe())
+        rec.update(save_phases=sorted(PhaseProbe.seen), phase_after_save=int(segment.read_table()[0]["phase"]))
     records.append(rec)
 print(json.dumps(records))

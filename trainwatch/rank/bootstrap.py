@@ -28,6 +28,7 @@ NaN here: no hook sees it for free.
 
 from __future__ import annotations
 
+import functools
 import os
 import runpy
 import sys
@@ -107,6 +108,7 @@ def install_zero_code(tw) -> None:
     torch.Tensor.backward = backward  # type: ignore[method-assign]
     _wrap_clip_grad_norm(torch, tw, norm_reader)
     _wrap_grad_scaler(torch, tw, loss_seen, scaled, scale_reader, steps, on_pre_step, on_step)
+    _wrap_save(torch, tw)
 
     from torch.utils.data import dataloader
 
@@ -243,6 +245,22 @@ def _after_update(original, tw, reader):
         return result
 
     return update
+
+
+def _wrap_save(torch, tw) -> None:
+    """torch.save is a checkpoint (rank 0's alone, often, while its peers wait
+    in the next collective): the checkpoint phase, with its allowance."""
+    original = torch.save
+
+    def save(*args, **kwargs):
+        if tw.phase_name == "checkpoint":
+            return original(*args, **kwargs)
+        with tw.phase("checkpoint"):
+            return original(*args, **kwargs)
+
+    functools.update_wrapper(save, original)
+    torch.save = save
+    torch.serialization.save = save
 
 
 def _mark_on_exit(cls, tw) -> None:

@@ -50,24 +50,62 @@ def read(path: Path) -> dict[str, tuple[float, int]]:
     """{phase: (p99 seconds, samples)} from a thresholds file; {} (with a
     logged warning) for a file that is unreadable or of the wrong shape.
     Entries of unknown phases or with values out of range are skipped."""
+    return _phases(path, _load(path))
+
+
+def read_steady(path: Path) -> tuple[float, float, int] | None:
+    """(step p99 s, longest step s, samples) of the job's steady threshold, or
+    None: absent, or out of range (skipped; the job learns it again)."""
+    return _steady(_load(path, quiet=True))
+
+
+def _load(path: Path, *, quiet: bool = False) -> dict | None:
+    """The file's object, or None (logged unless quiet) when it is unreadable
+    or not a thresholds file of this version."""
     try:
         with open(path, "rb") as f:
             raw = f.read(_MAX_BYTES + 1)
     except FileNotFoundError:
-        return {}
+        return None
     except OSError as e:
-        log.warning("trainwatch: learnt hang thresholds skipped: cannot read %s (%s)", path, e.strerror or e)
-        return {}
+        if not quiet:
+            log.warning("trainwatch: learnt hang thresholds skipped: cannot read %s (%s)", path, e.strerror or e)
+        return None
+    why = None
+    data = None
     if len(raw) > _MAX_BYTES:
-        return _skip(path, "too large")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        return _skip(path, "not JSON")
-    if not isinstance(data, dict) or state.nested_too_deep(data):
-        return _skip(path, "not an object")
-    if data.get("version") != VERSION or not state.is_int(data.get("version")):
-        return _skip(path, "unknown version")
+        why = "too large"
+    else:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            why = "not JSON"
+    if why is None and (not isinstance(data, dict) or state.nested_too_deep(data)):
+        why = "not an object"
+    elif why is None and (data.get("version") != VERSION or not state.is_int(data.get("version"))):
+        why = "unknown version"
+    if why is not None:
+        if not quiet:
+            _skip(path, why)
+        return None
+    return data
+
+
+def _steady(data: dict | None) -> tuple[float, float, int] | None:
+    entry = data.get("steps") if isinstance(data, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    p99, longest = state.finite_number(entry.get("p99_s")), state.finite_number(entry.get("longest_s"))
+    samples = entry.get("samples")
+    if (p99 is None or longest is None or not state.is_int(samples) or not 0 < p99 <= MAX_SECONDS
+            or not 0 <= longest <= MAX_SECONDS or not 0 < samples <= MAX_SAMPLES):
+        return None
+    return p99, longest, samples
+
+
+def _phases(path: Path, data: dict | None) -> dict[str, tuple[float, int]]:
+    if data is None:
+        return {}
     phases = data.get("phases")
     if not isinstance(phases, dict):
         return _skip(path, "no phases")
@@ -97,10 +135,13 @@ def _shown(path: Path) -> str:
     return repr(str(path))[1:-1]  # one line, whatever the name holds
 
 
-def write(path: Path, learnt: dict[str, tuple[float, int]]) -> None:
+def write(path: Path, learnt: dict[str, tuple[float, int]], steady: tuple[float, float, int] | None = None) -> None:
     phases = {name: {"p99_s": round(value, 6), "samples": int(n)} for name, (value, n) in sorted(learnt.items())
               if math.isfinite(value) and value > 0}
-    state.write_json_atomic(path, {"version": VERSION, "updated": time.time(), "phases": phases})
+    data: dict[str, Any] = {"version": VERSION, "updated": time.time(), "phases": phases}
+    if steady is not None and all(math.isfinite(v) for v in steady[:2]):
+        data["steps"] = {"p99_s": round(steady[0], 6), "longest_s": round(steady[1], 6), "samples": int(steady[2])}
+    state.write_json_atomic(path, data)
 
 
 class Persisted:
@@ -114,9 +155,14 @@ class Persisted:
         self._saved: dict[str, tuple[float, int]] = {}
         self._saved_at = -math.inf
         self._failed = False
+        self._steady_saved: tuple[float, float, int] | None = None
         if self.detector is not None:
-            self._saved = read(path)
+            data = _load(path)
+            self._saved = _phases(path, data)
             self.detector.phases.seed(self._saved)
+            self._steady_saved = _steady(data)
+            if self._steady_saved is not None:
+                self.detector.steady.seed(*self._steady_saved)
 
     def learnt(self) -> dict[str, tuple[float, int]]:
         return self.detector.phases.learnt() if self.detector is not None else {}
@@ -140,18 +186,28 @@ class Persisted:
         if self.detector is None or (not force and self.clock() - self._saved_at < SAVE_S):
             return False
         learnt = self.learnt()
-        if not learnt or not _changed(self._saved, learnt):
+        steady = self.detector.steady.learnt()
+        if not _changed(self._saved, learnt) and not _steady_changed(self._steady_saved, steady):
             return False
         try:
-            write(self.path, learnt)
+            write(self.path, learnt, steady)
         except OSError as e:
             if not self._failed:
                 log.warning("trainwatch: cannot save learnt hang thresholds to %s (%s)", _shown(self.path),
                             e.strerror or e)
             self._failed = True
             return False
-        self._saved, self._saved_at, self._failed = learnt, self.clock(), False
+        self._saved, self._steady_saved, self._saved_at, self._failed = learnt, steady, self.clock(), False
         return True
+
+
+def _steady_changed(old: tuple[float, float, int] | None, new: tuple[float, float, int] | None) -> bool:
+    """A steady threshold now learnt, or its p99 or longest step moved by more than 1%."""
+    if new is None:
+        return False
+    if old is None:
+        return True
+    return abs(new[0] - old[0]) > 0.01 * old[0] or abs(new[1] - old[1]) > 0.01 * max(old[1], 1e-9)
 
 
 def _changed(old: dict[str, tuple[float, int]], new: dict[str, tuple[float, int]]) -> bool:

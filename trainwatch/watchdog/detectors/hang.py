@@ -35,6 +35,7 @@ stopped), or that is behind in step or collective sequence number.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -57,10 +58,12 @@ from trainwatch.watchdog.detectors.base import (
     phase_name,
     row_quantile,
 )
+from trainwatch.watchdog.detectors.steady import SteadyJob
 from trainwatch.watchdog.detectors.work import OtherWork
 from trainwatch.watchdog.incident import Incident, describe_ranks, format_ranks
 
 _DONE = slots.PHASE_CODES["done"]
+_DATA = slots.PHASE_CODES["data"]
 _PHASE_CATEGORY = {"data": "dataloader", "checkpoint": "checkpoint_io"}
 _CATEGORY_WORDS = {
     "dataloader": "data loading",
@@ -111,6 +114,12 @@ class HangConfig:
     """Times a phase must be seen ending before its learnt threshold replaces the fixed one (count)."""
     phase_history: int = 64
     """Recent lengths kept per rank and phase for that p99 (count)."""
+    steady_floor_s: float = 1.5
+    """Least time without progress after which a rank of a steady job (every training step so far short and
+    regular) is hung while its peers wait on it: max(this, k x the job's step p99, 2 x its longest step),
+    in force only under floor_s (s; 0 turns it off)."""
+    steady_min_steps: int = 20
+    """Training steps every rank must complete before the job's steady threshold applies (steps)."""
     other_work_late_s: float = 1.0
     """Forward-only progress (a no_grad block, not a batch fetch) this long after a step began, and
     3 x the rank's median step, makes the step other work (a rollout): kept out of the step history (s)."""
@@ -122,7 +131,7 @@ class HangConfig:
         if bad:
             raise ValueError(f"--hang-learn-phases must name phases among {', '.join(LEARNT_PHASES)}; "
                              f"got {', '.join(map(repr, bad))}")
-        for name, low in (("history", 1), ("phase_history", 1), ("phase_min_samples", 0)):
+        for name, low in (("history", 1), ("phase_history", 1), ("phase_min_samples", 0), ("steady_min_steps", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"--hang-{name.replace('_', '-')} must be an integer >= {low}; got {value!r}")
@@ -150,6 +159,8 @@ class HangDetector(Detector):
         # whose history changed, so a healthy 4096-rank tick never sorts.
         self._p99 = np.zeros(0)
         self._p99_fresh = np.zeros(0, dtype=bool)
+        self.steady = SteadyJob(floor_s=self.config.floor_s, steady_floor_s=self.config.steady_floor_s,
+                                k=self.config.k, min_steps=self.config.steady_min_steps)
         self._in_episode = False
 
     def check(self, view: TickView) -> list[Incident]:
@@ -167,6 +178,7 @@ class HangDetector(Detector):
             self._step_s.reset(ranks[restarted])
             self._other_s.reset(ranks[restarted])
             self._p99_fresh[ranks[restarted]] = False
+            self.steady.reset()
         step_s = t["step_s"]
         other = self.other.update(t, advanced, restarted, self._median_of)
         # The first step of a process includes start-up and compilation; kept,
@@ -174,6 +186,7 @@ class HangDetector(Detector):
         usable = advanced & ~self._steps.first & np.isfinite(step_s) & (step_s > 0)
         push = usable & ~other
         if push.any():
+            self.steady.observe(self._step_s.counts(ranks[push]), step_s[push])
             self._step_s.push(ranks[push], step_s[push])
             self._p99_fresh[ranks[push]] = False
         if (usable & other).any():
@@ -183,7 +196,14 @@ class HangDetector(Detector):
 
         now = view.now
         age = now - np.fmax(t["progress_mono"], t["active_mono"])
-        if not (age > cfg.floor_s * _QUIET_FRACTION).any():
+        steady = self.steady.threshold(now, self._step_s, ranks)
+        # A steady job's short-window activity is kept current every tick: a
+        # rate over a long gap would average the work done before the stall.
+        hb = t["heartbeat_mono"]
+        hb_age = np.where(hb > 0, now - hb, np.nan)
+        hb_stale = hb_age > cfg.heartbeat_stale_s
+        quiet_io = self.steady.not_writing(t, hb_stale, cfg.active_io_bytes_s) if steady < cfg.floor_s else None
+        if not (age > min(cfg.floor_s, steady) * _QUIET_FRACTION).any():
             self._in_episode = False
             return []
 
@@ -196,9 +216,6 @@ class HangDetector(Detector):
         in_wait = np.isin(phase, WAIT_CODES)
         in_slow = np.isin(phase, SLOW_CODES)
         started = t["step"] >= 1
-        hb = t["heartbeat_mono"]
-        hb_age = np.where(hb > 0, now - hb, np.nan)
-        hb_stale = hb_age > cfg.heartbeat_stale_s
         active = ~hb_stale & ((cpu_rate >= cfg.active_cpu) | (io_rate >= cfg.active_io_bytes_s))
         stuck = age > base
         peers_waiting = bool((stuck & in_wait & ~done).any())
@@ -231,6 +248,16 @@ class HangDetector(Detector):
             offset = np.fmax(t["phase_mono"] - np.fmax(t["progress_mono"], t["active_mono"]), 0.0)
             learnt &= offset + allow < limit
             limit[learnt] = offset[learnt] + allow[learnt]
+        # A steady job: a rank outside any wait, fetch, write or slow work, that
+        # peers already wait on past the steady threshold, is held to it (one
+        # spinning in Python is as hung as one asleep).
+        held = np.zeros(len(t), dtype=bool)
+        if quiet_io is not None and (in_wait & ~done & started & (age > steady)).any():
+            held = (started & quiet_io & ~in_wait & ~done & ~in_slow & ~self.other.current & (phase != _DATA)
+                    & (steady < limit))
+            limit[held] = steady
+            learnt &= ~held
+            base[held | (in_wait & started)] = np.fmin(base[held | (in_wait & started)], steady)
         elsewhere = ~in_wait & ~done
         stale = elsewhere & (age > limit)
         # Someone outside a collective still within its allowance: the ranks
@@ -247,7 +274,7 @@ class HangDetector(Detector):
         self._in_episode = True
         facts = Facts(step=t["step"], age=age, base=base, in_wait=in_wait, lenient=slow_ok, started=started,
                       hb_stale=hb_stale, involved=involved, groups=GroupEntries.of(t))
-        ctx = _Context(view, age, limit, involved, hb_age, hb_stale, blame(facts), learnt)
+        ctx = _Context(view, age, limit, involved, hb_age, hb_stale, blame(facts), learnt, held)
         return [self._incident(ctx)]
 
     def thresholds_in_force(self, ranks: np.ndarray) -> dict:
@@ -258,7 +285,9 @@ class HangDetector(Detector):
         ranks = np.asarray(ranks, dtype=np.int64)
         ranks = ranks[(ranks >= 0) & (ranks < len(self._p99))]
         base = np.fmax(cfg.floor_s, cfg.k * self._p99_of(ranks)) if len(ranks) else np.zeros(0)
+        steady = self.steady._value
         return {"floor_s": cfg.floor_s, "k": cfg.k,
+                "steady_s": round(steady, 3) if math.isfinite(steady) else None,
                 "ranks": {str(int(r)): round(float(b), 3) for r, b in zip(ranks, base)}}
     def _median_of(self, ranks: np.ndarray) -> np.ndarray:
         """Median training step time per rank (NaN: none yet)."""
@@ -373,6 +402,7 @@ class HangDetector(Detector):
                     "heartbeat_age_s": None if np.isnan(c.hb_age[r]) else round(float(c.hb_age[r]), 3),
                     "threshold_s": round(float(c.limit[r]), 3),
                     "threshold_learnt": bool(c.learnt[r]),
+                    "threshold_steady": bool(c.held[r]),
                     "stopped": bool(r in stopped_rows),
                 }
                 for r in c_rows[:_MAX_LISTED]
@@ -413,6 +443,8 @@ class _Context:
     blame: Any
     learnt: np.ndarray
     """Rows held to a learnt phase threshold."""
+    held: np.ndarray
+    """Rows held to the steady job's threshold."""
 
 
 def _same_op(t: np.ndarray, rows: np.ndarray) -> str:
