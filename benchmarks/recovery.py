@@ -3,6 +3,7 @@
     python benchmarks/recovery.py [--ranks 4] [--where dataloader] [--step 100]
     python benchmarks/recovery.py --script [PATH] [--ranks 2] [--step 150]
     python benchmarks/recovery.py --script [PATH] --compare [--compare-venv DIR] [--repeat N]
+    python benchmarks/recovery.py --in-process N [--ranks 4] [--step 100]
 
 Default mode: runs the integrated trainer's default job twice: once
 uninterrupted, once with a hang injected (`--inject hang:where=...`) into one
@@ -34,6 +35,12 @@ before the hang, kept in the script's checkpoint. NVRx's first sign of the hang
 is the rank monitor's "Did not get ... heartbeat" log line (it SIGKILLs the
 rank right after); its culprit is named when only the hung rank's monitor
 timed out. One JSON line per tool per run.
+
+--in-process N: the integrated trainer with a collective mismatch (a rank
+skips one collective at --step), N runs: recovered inside the running ranks
+(no process restart)? fault to detection, detection to the first new step,
+fault to the first new step (medians), the fallback rate, and bitwise_equal
+against an uninterrupted run.
 
 --fail-fast: errors a restart cannot fix, side by side with plain torchrun
 (--standalone, the same script, interleaved, --repeat N): a missing module
@@ -140,6 +147,58 @@ def integrated(args) -> None:
         "fault": spec,
         "ranks": args.ranks,
         "torchrun_alone": TORCHRUN_ALONE,
+    }))
+
+
+def in_process(args) -> None:
+    """--in-process N: a collective mismatch (the faulting rank skips one
+    collective) recovered inside the running ranks, N times: fault to detection,
+    detection to the first new step, fault to the first new step, the fallback
+    rate (runs that needed a process restart) and the final weights against an
+    uninterrupted run."""
+    log(f"uninterrupted default job on {args.ranks} ranks ...")
+    ref_home, ref_job = new_home("recovery-ref"), uid("ref")
+    code, out = run(ref_home, ref_job, args.ranks)
+    if code != 0:
+        raise SystemExit(f"reference run failed:\n{out[-3000:]}")
+    ref_step, ref = final_weights(ref_home, ref_job)
+    spec = f"hang:where=collective_skip,rank={args.rank},step={args.step}"
+    rows = []
+    for i in range(args.in_process):
+        home, job = new_home("inproc"), uid("inproc")
+        code, out = run(home, job, args.ranks, "--inject", spec)
+        evs = [json.loads(line) for line in (home / "jobs" / job / "events.jsonl").read_text().splitlines()]
+        fired = faults_fired(home, job)
+        inc = next((e for e in evs if e["kind"] == "collective_mismatch"), None)
+        act = next((e["in_process"] for e in evs if e["kind"] == "action" and "in_process" in e), None)
+        back = next((e for e in evs if e["kind"] == "resolved" and inc and e.get("incident") == inc["id"]), None)
+        step, weights = final_weights(home, job)
+        row = {"ok": bool(act and act.get("ok")), "restarts": job_json(home, job).get("restarts"),
+               "bitwise_equal": bool(code == 0 and step == ref_step and weights is not None
+                                     and all(torch.equal(weights[k], ref[k]) for k in ref)),
+               "in_process_s": act.get("seconds") if act else None}
+        if fired and inc:
+            row["detect_s"] = round(inc["detected_mono"] - fired[0]["mono"], 3)
+        if fired and back:
+            # The resolution (its ranks' first new step) is stamped in wall time, as the fault is.
+            row["fault_to_step_s"] = round(back["time"] - fired[0]["wall"], 3)
+            if "detect_s" in row:
+                row["detect_to_step_s"] = round(row["fault_to_step_s"] - row["detect_s"], 3)
+        log(f"  run {i + 1}: {row}")
+        rows.append(row)
+
+    def median(key):
+        vals = sorted(r[key] for r in rows if r.get(key) is not None)
+        return vals[len(vals) // 2] if vals else None
+
+    print(json.dumps({
+        "in_process": {"kinds": ["collective_mismatch"], "runs": len(rows),
+                       "recovered_in_process": sum(r["ok"] for r in rows),
+                       "fallback_rate": round(sum(not r["ok"] for r in rows) / max(1, len(rows)), 3),
+                       "bitwise_equal": all(r["bitwise_equal"] for r in rows),
+                       "detect_s": median("detect_s"), "detect_to_step_s": median("detect_to_step_s"),
+                       "fault_to_step_s": median("fault_to_step_s"), "in_process_s": median("in_process_s")},
+        "fault": spec, "ranks": args.ranks, "rows": rows,
     }))
 
 
@@ -531,6 +590,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=RUN_TIMEOUT, help="seconds one run may take before it is killed")
     p.add_argument("--fail-fast", action="store_true",
                    help="deterministic errors vs torchrun (time to exit) and the preemption checkpoint row")
+    p.add_argument("--in-process", type=int, metavar="N", default=0,
+                   help="a collective mismatch recovered inside the running ranks, N runs (integrated trainer)")
     args = p.parse_args()
     if args.fail_fast:
         fail_fast(args)
@@ -543,7 +604,7 @@ def main() -> None:
         p.error(f"--rank {args.rank} is not a rank of {args.ranks}")
     if args.script is None:
         args.step = 100 if args.step is None else args.step
-        integrated(args)
+        in_process(args) if args.in_process > 0 else integrated(args)
     else:
         args.step = 150 if args.step is None else args.step
         if not 1 < args.step <= args.steps:

@@ -59,9 +59,9 @@ FAULTS = {
     "compute": "hang:where=compute,rank=2,step=12",
     "gc": "hang:where=gc,rank=2,step=12",
     "checkpoint": "hang:where=checkpoint,rank=2,step=12",
-    "collective_skip": "hang:where=collective_skip,rank=2,step=12",
     "crash": "crash:rank=2,step=12",
 }
+SKIP = "hang:where=collective_skip,rank=2,step=12"
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
@@ -71,6 +71,42 @@ def test_recovers_bit_identical(tmp_path, reference, name):
                    *TRAINER, "--ckpt-dir", str(ckpt), timeout=400)
     ev = assert_recovered(tmp_path, name, ckpt, reference, r)
     assert ev["resumed_from_step"] >= 10, ev
+
+
+def test_a_collective_mismatch_recovers_inside_the_ranks_bit_identical(tmp_path, reference):
+    """Every rank alive and responsive: the group is formed again in the same
+    processes and the newest step all staged restored from memory; no restart."""
+    ckpt = tmp_path / "ckpt"
+    r = trainwatch(tmp_path, "launch", "--nproc-per-node", "4", "--job", "inproc", "--inject", SKIP,
+                   *TRAINER, "--ckpt-dir", str(ckpt), timeout=400)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    rec = job_json(tmp_path, "inproc")
+    assert rec["status"] == "succeeded" and rec["restarts"] == 0, rec
+    [incident] = events(tmp_path, "inproc")  # each incident with its actions' results merged in
+    assert incident["kind"] == "collective_mismatch" and incident["culprit_ranks"] == [2], incident
+    inproc = incident["in_process"]
+    assert inproc["ok"] is True and inproc["ranks"] == [0, 1, 2, 3] and inproc["step"] >= 11, inproc
+    assert incident["restart"]["requested"] is False and "checkpoint" not in incident, incident
+    assert r.stdout.count("recovered in process in") == 5  # the sidecar's line and each rank's
+    weights = final_weights(ckpt)
+    for name, tensor in reference.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_a_mismatch_restarts_the_processes_when_in_process_recovery_is_off_or_late(tmp_path, reference):
+    """--no-in-process, or ranks that do not answer within --in-process-timeout-s:
+    the process restart, as before, bit-identical too."""
+    for job, flags in (("off", ["--no-in-process"]), ("late", ["--in-process-timeout-s", "0.001"])):
+        ckpt = tmp_path / job / "ckpt"
+        r = trainwatch(tmp_path, "launch", "--nproc-per-node", "4", "--job", job, *flags, "--inject", SKIP,
+                       *TRAINER, "--ckpt-dir", str(ckpt), timeout=400)
+        assert_recovered(tmp_path, job, ckpt, reference, r)
+        [incident] = [e for e in events(tmp_path, job) if e["kind"] == "collective_mismatch"]
+        assert incident["restart"]["requested"] is True, incident
+        if job == "off":
+            assert "in_process" not in incident, incident
+        else:
+            assert incident["in_process"]["ok"] is False and incident["in_process"]["pending"], incident
 
 
 def test_rank_killed_during_emergency_write(tmp_path, reference):

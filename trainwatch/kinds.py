@@ -59,13 +59,16 @@ class KindSpec:
     """Capture every rank's stacks and give a verdict when it opens."""
     job_scope: bool = False
     """Raised once for the whole job by the aggregator of a multi-node job."""
+    in_process: bool = False
+    """The fault leaves every rank process alive and responsive: recovering inside them (a re-formed
+    process group, the staged state from memory) is tried before a process restart."""
 
 
 _P, _A = Resolution.PROGRESS, Resolution.ABSENCE
 KINDS: dict[str, KindSpec] = {k.name: k for k in (
     KindSpec("crash", "critical", "crash", Response.RESTART, _P, mutes=frozenset({"hang", "collective_mismatch"})),
     KindSpec("collective_mismatch", "high", "collective-mismatch", Response.RESTART, _P, mutes=frozenset({"hang"}),
-             capture=True, job_scope=True),
+             capture=True, job_scope=True, in_process=True),
     # A rank stuck outside its collectives leaves its peers parked at other
     # operations: that is the same stall, not a second fault.
     KindSpec("hang", "high", "hang", Response.RESTART, _P, mutes=frozenset({"collective_mismatch"}), capture=True,
@@ -97,6 +100,7 @@ OPEN_MUTES = {k.name: k.mutes for k in KINDS.values() if k.mutes and k.resolutio
 (its condition persists while training goes on)."""
 CAPTURE_KINDS = frozenset(k.name for k in KINDS.values() if k.capture)
 RESTART_KINDS = frozenset(k.name for k in KINDS.values() if k.response is Response.RESTART)
+IN_PROCESS_KINDS = frozenset(k.name for k in KINDS.values() if k.in_process)
 ALERT_ONLY_KINDS = tuple(k.name for k in KINDS.values() if k.response is Response.ALERT)
 JOB_SCOPE_KINDS = tuple(k.name for k in KINDS.values() if k.job_scope)
 

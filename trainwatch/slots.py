@@ -31,7 +31,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"TWSLOT01"
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 HEADER = struct.Struct("<8sIII")  # magic, version, nslots, slot_size
 HEADER_SIZE = 64
 SLOT_SIZE = 1024
@@ -174,6 +174,11 @@ LAYOUT = {
         # copy and its acknowledgement) is kept, so a one-step spike shorter
         # than the read interval is never lost to sampling or to that race.
         ("read_ack", "Q", 1),
+        # In-process recovery (trainwatch.rank.inprocess): the sidecar's request, the rank's answer.
+        ("recover_request", "Q", 1),
+        ("recover_done", "Q", 1),
+        ("recover_step", "i", 1),
+        ("recover_ready", "i", 1),  # 1 once the rank can recover in its own process
     ),
 }
 
@@ -276,6 +281,7 @@ ARRIVAL_ENTRY = struct.Struct("<qq")
 ARRIVALS_OFF = OFFSETS["arrivals"]
 C_OFF, CONTROL = run("ckpt_request", "ckpt_step")
 ACK_OFF = OFFSETS["read_ack"]
+R_OFF, RECOVERY = run("recover_request", "recover_ready")
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,6 +134,19 @@ class EmergencyCheckpointer:
         writer.write_checkpoint_status(request, slots.CKPT_OK if ok else slots.CKPT_FAILED,
                                        self._written_step if ok else self.staged_step)
 
+    def staged_steps(self) -> list[int]:
+        """The steps the two buffers hold (-1: empty)."""
+        return list(self._steps)
+
+    def staged_state(self, step: int) -> Any | None:
+        """The staged state of `step` (CPU buffers; read, never kept), or None."""
+        for i in (0, 1):
+            if self._steps[i] == step and self._buffers[i] is not None:
+                if self._events[i] is not None:
+                    self._events[i].synchronize()
+                return self._buffers[i]
+        return None
+
     @property
     def staged_step(self) -> int:
         return self._steps[self._current] if self._current >= 0 else -1

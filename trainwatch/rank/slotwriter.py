@@ -169,6 +169,17 @@ class SlotWriter:
         struct.pack_into("<Qi", self._buf, self._base + OFFSETS["ckpt_done"], done_id, status)
         struct.pack_into("<q", self._buf, self._base + OFFSETS["ckpt_step"], step)
 
+    def read_recover_request(self) -> int:
+        return struct.unpack_from("<Q", self._buf, self._base + OFFSETS["recover_request"])[0]
+
+    def write_recover_done(self, request_id: int, step: int) -> None:
+        struct.pack_into("<i", self._buf, self._base + OFFSETS["recover_step"], max(-1, min(step, 2**31 - 1)))
+        struct.pack_into("<Q", self._buf, self._base + OFFSETS["recover_done"], request_id)
+
+    def set_recover_ready(self, ready: bool) -> None:
+        """This rank can recover in its own process (trainwatch.rank.inprocess)."""
+        struct.pack_into("<i", self._buf, self._base + OFFSETS["recover_ready"], int(ready))
+
     def set_checkpoint_ready(self) -> None:
         """This rank can answer emergency checkpoint requests (it registered state)."""
         struct.pack_into("<i", self._buf, self._base + OFFSETS["ckpt_ready"], 1)

@@ -95,6 +95,7 @@ class Telemetry:
         self.faults = faults
         """Where injected faults happen in this rank (`--inject`); a no-op by default."""
         self._emergency: Any = None
+        self._inprocess: Any = None
         self._scopes: dict[str, PhaseScope] = {}
         self._words = segment.buf.cast("Q")
         self._ack_word = (segment.offset(index) + slots.ACK_OFF) // 8
@@ -310,6 +311,26 @@ class Telemetry:
             self._hooks.append(self._emergency.stage)
             self._writer.set_checkpoint_ready()
 
+    def in_process_recovery(self) -> Any:
+        """Let the sidecar recover this rank in its own process: a re-formed process
+        group and the staged state restored from memory (trainwatch.rank.inprocess).
+        Needs register_state with a checkpoint_dir (the staged state); None otherwise."""
+        if self._emergency is not None and self._inprocess is None:
+            from trainwatch.rank.inprocess import InProcessRecovery, store_ports
+
+            self._inprocess = InProcessRecovery(self._writer, store_ports=store_ports(), rank=self.rank)
+        return self._inprocess
+
+    def staged(self) -> Any:
+        """The emergency checkpointer (its staged steps and states), or None."""
+        return self._emergency
+
+    def collectives_reformed(self) -> None:
+        """The process group was created again (in-process recovery): collective
+        counts start over with it, on every rank alike."""
+        self.py_collectives = self.world_collectives = 0
+        self._seq_fn = flightrec.default_group_seq()
+
     def emergency_save(self, reason: str) -> str | None:
         """Write the last staged state now (e.g. a peer died and this rank is exiting)."""
         if self._emergency is None:
@@ -391,6 +412,8 @@ class Telemetry:
                 self.sample_now()
                 if self._emergency is not None:
                     self._emergency.poll(self._writer)
+                if self._inprocess is not None:
+                    self._inprocess.poll()
             except Exception:  # one bad round must not end the heartbeat
                 log.debug("trainwatch sampler round failed", exc_info=True)
 

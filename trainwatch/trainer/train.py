@@ -22,6 +22,7 @@ continues on the same data and LR.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import time
@@ -36,6 +37,7 @@ import trainwatch
 from trainwatch import checkpoint as ckpt
 from trainwatch.trainer.config import MODEL_PRESETS, NonFiniteLoss, TrainConfig, UsageError, summary
 from trainwatch.trainer.data import get_batch, load_corpus
+from trainwatch.rank import inprocess
 from trainwatch.trainer import mfu
 from trainwatch.trainer.runtime import FP8_ERROR, Runtime, check_fp8, precision_context, runtime_of, use_deterministic  # noqa: F401
 from trainwatch.trainer.model import GPT
@@ -256,12 +258,13 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
             f"(step {first_step} trains on batch {first_step + data_offset}), LR x{lr_scale:g}")
     tw.data_offset = data_offset
     tw.resume_at(first_step - 1)
-    ddp = model
-    if rt.distributed:
-        ddp = DistributedDataParallel(model, device_ids=[rt.device] if rt.device.type == "cuda" else None)
     corpus = load_corpus()
     autocast = precision_context(cfg.precision, rt.device)
-    if rt.distributed:
+
+    def wrap() -> torch.nn.Module:
+        if not rt.distributed:
+            return model
+        ddp = DistributedDataParallel(model, device_ids=[rt.device] if rt.device.type == "cuda" else None)
         # DDP lays its gradient buckets out again after the first backward, and
         # the layout decides the order in which floats are summed across ranks
         # (with more than two ranks, a different order is a different result).
@@ -272,6 +275,9 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
             _, warm = ddp(x0.to(rt.device), y0.to(rt.device))
         (warm * 0.0).backward()
         opt.zero_grad(set_to_none=True)
+        return ddp
+
+    ddp = wrap()
     tokens_per_rank = cfg.batch_size * cfg.seq_len
     # MFU against the bf16 peak whatever the precision (fp8 runs only the matmuls in fp8).
     peak = mfu.peak_flops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
@@ -285,6 +291,21 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
     # Logging collectives get their own group, as in most real trainers: a rank
     # that desynchronises there leaves DDP's gradient all-reduces intact.
     log_group = dist.new_group() if rt.distributed else None
+    # In-process recovery (gloo): the sidecar breaks the collectives; the group is
+    # formed again here and the state of the newest step every rank staged restored.
+    recovery = tw.in_process_recovery() if rt.distributed and rt.device.type == "cpu" else None
+    reform = inprocess.reform_gloo(rt.rank, rt.world_size, dist.distributed_c10d._get_default_store()) \
+        if recovery is not None else None
+
+    def restore(step: int) -> None:
+        nonlocal data_offset, lr_scale, done_step
+        staged = tw.staged().staged_state(step)
+        # The optimizer would keep the staged tensors as its own state: a copy.
+        state = staged | {"optimizer": torch.utils._pytree.tree_map(
+            lambda v: v.clone() if isinstance(v, torch.Tensor) else v, staged["optimizer"])}
+        _restore(state, "memory", model, opt, rt, cfg, scaler)
+        data_offset, lr_scale = _int(staged.get("data_offset"), 0), _float(staged.get("lr_scale"), 1.0)
+        tw.data_offset, done_step = data_offset, step
     say(
         f"trainer: model {cfg.model_size} ({model.num_params() / 1e6:.2f}M params) | world {rt.world_size} | "
         f"device {rt.device.type} | {cfg.precision}{' + GradScaler' if scaler and cfg.precision != 'fp16' else ''}"
@@ -294,103 +315,125 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
     first_loss = final_loss = math.nan
     window_s, window_n = 0.0, 0
     wait_here = rt.distributed and rt.device.type == "cuda"
-    for step in range(first_step, cfg.max_steps + 1):
-        t0 = time.monotonic()
-        lr = lr_at(step, cfg) * lr_scale
-        for group in opt.param_groups:
-            group["lr"] = lr
-        tw.fault_point("data")
-        with tw.phase("data"):
-            x, y = get_batch(corpus, seed=cfg.seed, step=step + data_offset, rank=rt.rank, batch_size=cfg.batch_size,
-                             seq_len=cfg.seq_len)
-            x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
-        tw.fault_point("forward")
-        with tw.phase("forward"):
-            with autocast():
-                _, loss = ddp(x, y)
-            loss = tw.perturb_loss(loss)
-        with tw.phase("backward"):
-            tw.fault_point("backward")
-            (loss if scaler is None else scaler.scale(loss)).backward()  # DDP all-reduces gradients in here
-            faults.after_backward(tw, model.parameters)
-        with tw.phase("optimizer"):
-            tw.fault_point("optimizer")
-            faults.before_optimizer(tw, opt)
-            if scaler is not None:
-                faults.before_unscale(tw, model.parameters)
-                scaler.unscale_(opt)  # clip the true gradients
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            measure = step == first_step or step % ZERO_GRAD_EVERY == 0 or step == cfg.max_steps
-            zeros = _zero_fraction(model) if measure else None
-            lr_used = opt.param_groups[0]["lr"]
-            if scaler is None:
-                opt.step()
-            else:
-                scaler.step(opt)  # skipped when the gradients hold inf/NaN
-                scaler.update()
-            opt.zero_grad(set_to_none=True)
-        local = loss.detach().float()
-        mean = local.clone()
-        # An explicit logging collective, like real trainers' loss averaging; a
-        # rank told to skip it is the desynchronised rank the watchdog must catch.
-        if rt.distributed and not tw.skip_collective():
-            with tw.phase("collective"):
-                dist.all_reduce(mean, group=log_group)
-            mean /= rt.world_size
-        # One device-to-host copy per step for all the numbers.
-        values = [local, mean, grad_norm.detach().float()]
-        if scaler is not None:
-            values.append(scaler._get_scale_async().float())
-        if zeros is not None:
-            values.append(zeros.float())
-        # On a GPU the collectives above only queue work; this read is where the
-        # host waits for the device to finish the step, all-reduces included: a
-        # rank whose peer hangs blocks here, and must read as waiting on peers.
-        with tw.phase("collective") if wait_here else contextlib.nullcontext():
-            local_v, mean_v, norm_v, *more = torch.stack(values).tolist()
-        done_step = step
-        tw.step(loss=local_v, grad_norm=norm_v, step=step, lr=float(lr_used),
-                loss_scale=more[0] if scaler is not None else None,
-                zero_grad_frac=more[-1] if zeros is not None else None)
-        tw.fault_point("step_end")
-        # With a loss scaler an inf grad norm is an overflow the scaler skipped,
-        # not a broken step. Every rank sees the same mean loss and grad norm.
-        if cfg.nan_policy == "fail" and not (math.isfinite(mean_v) and (scaler is not None or math.isfinite(norm_v))):
-            what = f"loss {mean_v}" if not math.isfinite(mean_v) else f"grad norm {norm_v}"
-            if writer and cfg.ckpt_dir:
-                write_nonfinite_marker(cfg.ckpt_dir, step, what)
-            raise NonFiniteLoss(
-                f"non-finite {what} at step {step}; stopped before saving it (--nan-policy fail): a restart rolls "
-                "back to the newest checkpoint before this step; pass --nan-skip-batches N to skip the data that "
-                "produced it (and --nan-lr-factor F to lower the LR), or --nan-policy alert to train on")
-        step_s = time.monotonic() - t0
-        window_s, window_n = window_s + step_s, window_n + 1
-        if step == first_step:
-            first_loss = mean_v
-        final_loss = mean_v
+    start_step = first_step
+    while True:
+        try:
+            for step in range(first_step, cfg.max_steps + 1):
+                t0 = time.monotonic()
+                lr = lr_at(step, cfg) * lr_scale
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                tw.fault_point("data")
+                with tw.phase("data"):
+                    x, y = get_batch(corpus, seed=cfg.seed, step=step + data_offset, rank=rt.rank, batch_size=cfg.batch_size,
+                                     seq_len=cfg.seq_len)
+                    x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+                tw.fault_point("forward")
+                with tw.phase("forward"):
+                    with autocast():
+                        _, loss = ddp(x, y)
+                    loss = tw.perturb_loss(loss)
+                with tw.phase("backward"):
+                    tw.fault_point("backward")
+                    (loss if scaler is None else scaler.scale(loss)).backward()  # DDP all-reduces gradients in here
+                    faults.after_backward(tw, model.parameters)
+                with tw.phase("optimizer"):
+                    tw.fault_point("optimizer")
+                    faults.before_optimizer(tw, opt)
+                    if scaler is not None:
+                        faults.before_unscale(tw, model.parameters)
+                        scaler.unscale_(opt)  # clip the true gradients
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                    measure = step == first_step or step % ZERO_GRAD_EVERY == 0 or step == cfg.max_steps
+                    zeros = _zero_fraction(model) if measure else None
+                    lr_used = opt.param_groups[0]["lr"]
+                    if scaler is None:
+                        opt.step()
+                    else:
+                        scaler.step(opt)  # skipped when the gradients hold inf/NaN
+                        scaler.update()
+                    opt.zero_grad(set_to_none=True)
+                local = loss.detach().float()
+                mean = local.clone()
+                # An explicit logging collective, like real trainers' loss averaging; a
+                # rank told to skip it is the desynchronised rank the watchdog must catch.
+                if rt.distributed and not tw.skip_collective():
+                    with tw.phase("collective"):
+                        dist.all_reduce(mean, group=log_group)
+                    mean /= rt.world_size
+                # One device-to-host copy per step for all the numbers.
+                values = [local, mean, grad_norm.detach().float()]
+                if scaler is not None:
+                    values.append(scaler._get_scale_async().float())
+                if zeros is not None:
+                    values.append(zeros.float())
+                # On a GPU the collectives above only queue work; this read is where the
+                # host waits for the device to finish the step, all-reduces included: a
+                # rank whose peer hangs blocks here, and must read as waiting on peers.
+                with tw.phase("collective") if wait_here else contextlib.nullcontext():
+                    local_v, mean_v, norm_v, *more = torch.stack(values).tolist()
+                done_step = step
+                tw.step(loss=local_v, grad_norm=norm_v, step=step, lr=float(lr_used),
+                        loss_scale=more[0] if scaler is not None else None,
+                        zero_grad_frac=more[-1] if zeros is not None else None)
+                tw.fault_point("step_end")
+                # With a loss scaler an inf grad norm is an overflow the scaler skipped,
+                # not a broken step. Every rank sees the same mean loss and grad norm.
+                if cfg.nan_policy == "fail" and not (math.isfinite(mean_v) and (scaler is not None or math.isfinite(norm_v))):
+                    what = f"loss {mean_v}" if not math.isfinite(mean_v) else f"grad norm {norm_v}"
+                    if writer and cfg.ckpt_dir:
+                        write_nonfinite_marker(cfg.ckpt_dir, step, what)
+                    raise NonFiniteLoss(
+                        f"non-finite {what} at step {step}; stopped before saving it (--nan-policy fail): a restart rolls "
+                        "back to the newest checkpoint before this step; pass --nan-skip-batches N to skip the data that "
+                        "produced it (and --nan-lr-factor F to lower the LR), or --nan-policy alert to train on")
+                step_s = time.monotonic() - t0
+                window_s, window_n = window_s + step_s, window_n + 1
+                if step == start_step:
+                    first_loss = mean_v
+                final_loss = mean_v
 
-        if cfg.ckpt_dir and writer and (step % cfg.ckpt_interval == 0 or step == cfg.max_steps):
-            with tw.phase("checkpoint"):
-                try:
-                    ckpt.save_checkpoint(
-                        cfg.ckpt_dir,
-                        step,
-                        _state_dict(model, opt, step, cfg, rt, scaler, data_offset, lr_scale),
-                        keep=cfg.keep,
-                        rank=rt.rank,
-                        world_size=rt.world_size,
-                        fault_point=lambda: tw.fault_point("checkpoint"),
+                if cfg.ckpt_dir and writer and (step % cfg.ckpt_interval == 0 or step == cfg.max_steps):
+                    with tw.phase("checkpoint"):
+                        try:
+                            ckpt.save_checkpoint(
+                                cfg.ckpt_dir,
+                                step,
+                                _state_dict(model, opt, step, cfg, rt, scaler, data_offset, lr_scale),
+                                keep=cfg.keep,
+                                rank=rt.rank,
+                                world_size=rt.world_size,
+                                fault_point=lambda: tw.fault_point("checkpoint"),
+                            )
+                        except ckpt.NonFiniteState as e:  # --nan-policy alert trains on; its NaN is never saved
+                            print(f"warning: {e}", flush=True)
+                if step % cfg.log_interval == 0 or step == cfg.max_steps:
+                    avg_s = window_s / window_n
+                    line = (
+                        f"step {step}/{cfg.max_steps} | loss {mean_v:.4f} | lr {lr:.1e} | step {avg_s:.3f}s | "
+                        f"{tokens_per_rank * rt.world_size / avg_s:.0f} tok/s"
                     )
-                except ckpt.NonFiniteState as e:  # --nan-policy alert trains on; its NaN is never saved
-                    print(f"warning: {e}", flush=True)
-        if step % cfg.log_interval == 0 or step == cfg.max_steps:
-            avg_s = window_s / window_n
-            line = (
-                f"step {step}/{cfg.max_steps} | loss {mean_v:.4f} | lr {lr:.1e} | step {avg_s:.3f}s | "
-                f"{tokens_per_rank * rt.world_size / avg_s:.0f} tok/s"
-            )
-            if peak is not None:
-                line += f" | mfu {100.0 * mfu.mfu(tokens_per_rank / avg_s, per_token, peak):.1f}%"
-            say(line)
-            window_s, window_n = 0.0, 0
-    return TrainResult(first_step, cfg.max_steps, first_loss, final_loss, 0.0, resumed_from)
+                    if peak is not None:
+                        line += f" | mfu {100.0 * mfu.mfu(tokens_per_rank / avg_s, per_token, peak):.1f}%"
+                    say(line)
+                    window_s, window_n = 0.0, 0
+            break
+        except Exception as e:
+            if recovery is None or not recovery.wanted(e):
+                raise
+        # Outside the handler: its traceback would keep the old DDP (and its
+        # reducer's hooks on the parameters) alive beside the new one.
+        t_fault = time.monotonic()
+        ddp = log_group = None
+        gc.collect()
+        try:
+            with tw.phase("init"):
+                done = recovery.recover(reform, tw.staged().staged_steps, restore)
+                tw.collectives_reformed()
+                ddp, log_group = wrap(), dist.new_group()
+        except inprocess.RecoveryFailed as why:
+            recovery.wait_for_restart(str(why))
+        first_step = done + 1
+        print(f"[trainwatch] rank {rt.rank}: recovered in process in {time.monotonic() - t_fault:.2f} s: "
+              f"process group formed again, state of step {done} restored from memory", flush=True)
+    return TrainResult(start_step, cfg.max_steps, first_loss, final_loss, 0.0, resumed_from)

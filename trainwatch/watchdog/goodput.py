@@ -63,5 +63,11 @@ class GoodputFeed:
             # steps lost x the step time before the fault; unknown when the script numbers no steps
             recompute_s=None if lost is None else float(lost) * (step_s or 0.0))
 
+    def in_process(self, incident: str | None, started: float, ended: float) -> None:
+        """`incident` was recovered inside its running ranks (no restart), from
+        `started` (capture done, recovery asked) to `ended` (every rank back)."""
+        self.ledger.requested(incident, started)
+        self.ledger.recovered(incident, ended, recompute_s=0.0)
+
     def account(self) -> Goodput:
         return self.ledger.account(self.clock())

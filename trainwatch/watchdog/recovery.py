@@ -83,6 +83,12 @@ class RestartTracker:
             if self._fault is not None:
                 self._fault.update(times)
 
+    def forget(self, incident: str | None) -> None:
+        """That incident was recovered without a restart: no restart will time it."""
+        with self._lock:
+            if self._fault is not None and self._fault.get("id") == incident:
+                self._fault, self._tentative = None, False
+
     def has_fault(self) -> bool:
         return self._fault is not None and not self._tentative
 

@@ -26,14 +26,17 @@ import numpy as np
 
 from trainwatch import codec, kinds, rankrow, records, slots, state
 from trainwatch.capture import capture_ranks
+from trainwatch.procctl import process_state
 from trainwatch.diagnostics.verdict import decide
 from trainwatch.watchdog.checkpointing import describe as describe_checkpoint
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
+from trainwatch.watchdog.inprocess import request_in_process
 from trainwatch.usage import printable
 
 log = logging.getLogger("trainwatch.sidecar")
 
 CAPTURE_KINDS = kinds.CAPTURE_KINDS
+IN_PROCESS_KINDS = kinds.IN_PROCESS_KINDS
 """Incidents that trigger an all-rank stack capture and a verdict."""
 RESTART_KINDS = kinds.RESTART_KINDS - {"crash"}
 """Incidents the sidecar restarts the job for. Crashes restart through
@@ -60,11 +63,18 @@ class ActionPolicy:
     """How long ranks that registered state get to write their emergency checkpoint (s)."""
     min_severity_restart: str = "high"
     """Hardware incidents below this severity (info, low, medium, high, critical) only alert."""
+    in_process: bool = True
+    """Recover inside the running ranks (a re-formed process group, the staged state restored from memory)
+    before restarting on a collective mismatch, where every rank offers it (the integrated trainer on gloo)."""
+    in_process_timeout_s: float = 10.0
+    """How long the ranks get to recover in their own processes before the process restart (s)."""
 
     def __post_init__(self) -> None:
         if self.min_severity_restart not in _SEVERITY:
             raise ValueError(f"--min-severity-restart must be one of {', '.join(_SEVERITY)}; "
                              f"got {self.min_severity_restart!r}")
+        if not self.in_process_timeout_s > 0:
+            raise ValueError(f"--in-process-timeout-s must be > 0; got {self.in_process_timeout_s}")
         if not self.emergency_timeout_s > 0:
             raise ValueError(f"--emergency-timeout-s must be > 0; got {self.emergency_timeout_s}")
 
@@ -108,6 +118,10 @@ class RestartGate:
         self.requested_at = self.clock()
         return True, None
 
+    def recovered(self) -> None:
+        """The incident was recovered inside the running ranks: no restart is under way."""
+        self.requested_at = None
+
 
 @dataclass(slots=True)
 class Response:
@@ -140,6 +154,10 @@ class ResponderContext:
     """Tell the restart tracker how long the capture and checkpoint took."""
     out: Any
     tracer: Any = None
+    single_node: bool = True
+    """In-process recovery asks this node's ranks only: a multi-node job restarts."""
+    recovered: Callable[[str | None, float, float], None] = lambda incident, started, ended: None
+    """Say that an incident was recovered inside its ranks, from when to when (the restart gate, goodput)."""
 
 
 class Responder:
@@ -200,6 +218,14 @@ class Responder:
         t0 = time.monotonic()
         if self.policy.capture and kind in CAPTURE_KINDS:
             done(self.capture(record))
+        if response.restart and self.policy.in_process and kind in IN_PROCESS_KINDS and ctx.single_node:
+            t1 = time.monotonic()
+            part = request_in_process(ctx.segment, self.policy.in_process_timeout_s, proc_state=process_state)
+            if part["ok"]:
+                ctx.recovered(record.get("id"), t1, time.monotonic())
+                response.restart = False
+            done({"in_process": part} | ({"restart": {"requested": False, "why": "recovered inside the running ranks"}}
+                                         if part["ok"] else {}))
         if response.restart:
             t1 = time.monotonic()
             done({"checkpoint": request_emergency_checkpoint(ctx.segment, self.policy.emergency_timeout_s)})
@@ -249,6 +275,13 @@ def describe(results: dict) -> str:
         who = ",".join(str(r) for r in v.get("culprit_ranks") or []) or "-"
         parts.append(f"stacks of {cap.get('ranks')} rank(s) in {cap.get('seconds')}s, verdict {v.get('category')} "
                      f"(culprit {who})")
+    ip = results.get("in_process")
+    if ip:
+        parts.append(f"recovered in process in {ip.get('seconds')}s: {len(ip.get('ranks') or [])} rank(s) back at "
+                     f"step {ip.get('step')}, no restart" if ip.get("ok") else
+                     f"in-process recovery skipped ({ip['skipped']})" if ip.get("skipped") else
+                     f"in-process recovery not done in {ip.get('seconds')}s (ranks "
+                     f"{_ranks(ip.get('pending') or [])} did not answer): restarting the processes")
     ck = results.get("checkpoint")
     if ck:
         parts.append(describe_checkpoint(ck))

@@ -29,8 +29,7 @@ from trainwatch.diagnostics.goodput import Goodput
 from trainwatch.watchdog import otel, thresholds
 from trainwatch.watchdog.config import SidecarConfig
 from trainwatch.watchdog.detectors import default_detectors
-from trainwatch.watchdog.detectors.base import RankExit, TickView
-from trainwatch.watchdog.detectors.base import rank_exit_from_line as _rank_exit
+from trainwatch.watchdog.detectors.base import RankExit, TickView, rank_exit_from_line as _rank_exit
 from trainwatch.watchdog.engine import DetectorEngine
 from trainwatch.watchdog.aggregates import PhaseClock
 from trainwatch.watchdog.exporter import StepHistogram, TrainwatchCollector, serve_metrics
@@ -39,6 +38,7 @@ from trainwatch.watchdog.history import HistoryWriter
 from trainwatch.watchdog.incident import Incident
 from trainwatch.jobstore import JobStore, RecordSeal, read_secret
 from trainwatch.usage import printable
+from trainwatch.watchdog.inprocess import recovered_by
 from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.goodput import GoodputFeed
 from trainwatch.watchdog.recovery import RestartTracker
@@ -96,9 +96,8 @@ class Sidecar:
         self.thresholds = thresholds.Persisted(self.dir.thresholds_file, detectors, clock)  # learnt, kept across runs
         # Multi-node: this node watches its own ranks; the job-scope detectors
         # run once for the whole job, on the aggregator (trainwatch.watchdog.jobwide).
-        self.jobwide: JobWideNode | None = None
+        self.jobwide = JobWideNode(self, jobstore, aggregate, detectors) if jobstore is not None else None
         if jobstore is not None:
-            self.jobwide = JobWideNode(self, jobstore, aggregate, detectors)
             detectors = job_scope(detectors, aggregator=False)
         self.engine = DetectorEngine(detectors, config=self.config.engine)
         self.tracer = tracer
@@ -110,7 +109,8 @@ class Sidecar:
             self.responder = Responder(self.config.actions, ResponderContext(
                 job=self.dir, segment=self.segment, node=self.node, run=run, incidents=lambda: list(self.open.values()),
                 thresholds=self.thresholds_in_force,
-                add_timings=self.goodput.timings_to(self.recovery.add_timings), out=self.out, tracer=tracer))
+                add_timings=self.goodput.timings_to(self.recovery.add_timings), out=self.out, tracer=tracer,
+                single_node=self.jobwide is None, recovered=recovered_by(self.gate, self.goodput, self.recovery)))
         # ~1 sample/s of every rank for `trainwatch report`; bounded in size.
         self.history = HistoryWriter(self.dir.history_file(self.node), clock=clock)
         self.tick_gate = TickGate()  # the writer thread gives way while a tick runs

@@ -1,0 +1,103 @@
+"""In-process recovery (trainwatch.rank.inprocess, trainwatch.watchdog.inprocess):
+real gloo ranks whose blocked collectives are broken, a process group formed
+again on the same store, the newest step every rank staged agreed; the
+sidecar's request and its reasons not to ask."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from trainwatch import slots
+from trainwatch.watchdog.inprocess import answer, request_in_process
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "inprocess_gloo.py"
+
+
+def test_blocked_collectives_break_and_the_group_forms_again(tmp_path, free_tcp_port):
+    seg = str(tmp_path / "ip.slots")
+    slots.create_segment(seg, 2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINWATCH_", "MASTER_", "RANK", "WORLD_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(r), str(free_tcp_port), seg], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=120)
+        finally:
+            p.kill()
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for o in outs:
+        assert o["error"] and "closed" in o["error"].lower(), o  # what a dead peer looks like: handled alike
+        assert o["broke_s"] < 10, o  # gloo's own timeout is 30 min
+        assert o["step"] == 11 and o["restored"] == [11], o  # the newest step both staged
+        assert o["sum"] == [3.0, 3.0], o  # the new group works
+        assert o["done"] == [7, 11] and o["wanted"] is False, o
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 0.01
+        return self.t
+
+
+def _live(seg_path, n, *, ready=True, heartbeat_age=0.0):
+    from trainwatch.rank.slotwriter import SlotWriter
+
+    segment = slots.Segment(seg_path)
+    writers = []
+    for i in range(n):
+        w = SlotWriter(segment, i, pid=os.getpid(), rank=i, world_size=n, restart=0)
+        w.write_step(5, 1.0, 1.0, 0.1, 0.1, 1.0, 0.5, slots.PHASE_CODES["collective"], 1.0, 0)
+        w.write_sampler(time.monotonic() - heartbeat_age, False, 5, [], 0.0, 0)
+        w.set_recover_ready(ready)
+        writers.append(w)
+    return segment, writers
+
+
+def test_the_sidecar_asks_only_a_job_that_can_recover_in_its_processes(tmp_path):
+    alive = lambda pid: "sleeping"  # noqa: E731
+    for name, kwargs, state, why in (
+            ("not-ready", {"ready": False}, alive, "not every rank"),
+            ("stale", {"heartbeat_age": 5.0}, alive, "heartbeat stopped"),
+            ("stopped", {}, lambda pid: "stopped", "stopped or gone")):
+        seg = str(tmp_path / f"{name}.slots")
+        slots.create_segment(seg, 2)
+        segment, _ = _live(seg, 2, **kwargs)
+        res = request_in_process(segment, 1.0, proc_state=state, clock=Clock())
+        assert res["ok"] is False and why in res["skipped"], res
+        assert answer(segment, 0)[0] == 0  # nothing asked
+
+
+def test_the_sidecar_waits_for_every_rank_and_names_those_that_did_not_answer(tmp_path):
+    seg = str(tmp_path / "w.slots")
+    slots.create_segment(seg, 3)
+    segment, writers = _live(seg, 3)
+    stop = threading.Event()
+
+    def ranks_0_and_2():  # they answer each request they see; rank 1 never does
+        while not stop.wait(0.005):
+            for i in (0, 2):
+                req, done, _, _ = answer(segment, i)
+                if req and done != req:
+                    writers[i].write_recover_done(req, 41)
+
+    helper = threading.Thread(target=ranks_0_and_2, daemon=True)
+    helper.start()
+    try:
+        res = request_in_process(segment, 1.0, proc_state=lambda pid: "sleeping", poll_s=0.01)
+        assert res["ok"] is False and res["pending"] == [1] and res["ranks"] == [0, 1, 2], res
+        assert [answer(segment, i)[1] for i in (0, 2)] == [answer(segment, 0)[0]] * 2
+    finally:
+        stop.set()
+        helper.join(5)
