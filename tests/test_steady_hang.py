@@ -58,6 +58,21 @@ def test_a_steady_100ms_job_is_called_hung_within_2s_naming_the_still_rank():
     assert det.thresholds_in_force(job.table["rank"])["steady_s"] == pytest.approx(1.5)
 
 
+def test_steps_are_counted_not_ticks():
+    """Steps of 60 ms against a 150 ms tick: each tick sees two or three steps
+    and the history holds one time per tick. 45 steps are 45 steps."""
+    det = HangDetector()
+    job = SyncJob(4, step_s=0.06)
+    for _ in range(15):
+        view = None
+        for _ in range(3):
+            view = job.step()
+        assert det.check(view) == []
+    assert int(det._step_s.counts(job.table["rank"]).min()) < 20
+    latency, inc = stall(det, job)
+    assert 1.5 <= latency <= 1.7 and inc.culprit_ranks == [1]
+
+
 def test_a_cold_job_keeps_the_floor():
     """Fewer than steady_min_steps steps on every rank: the fixed 5 s floor."""
     det = HangDetector()

@@ -178,7 +178,7 @@ class HangDetector(Detector):
             self._step_s.reset(ranks[restarted])
             self._other_s.reset(ranks[restarted])
             self._p99_fresh[ranks[restarted]] = False
-            self.steady.reset()
+            self.steady.reset(ranks[restarted])
         step_s = t["step_s"]
         other = self.other.update(t, advanced, restarted, self._median_of)
         # The first step of a process includes start-up and compilation; kept,
@@ -196,7 +196,7 @@ class HangDetector(Detector):
 
         now = view.now
         age = now - np.fmax(t["progress_mono"], t["active_mono"])
-        steady = self.steady.threshold(now, self._step_s, ranks)
+        steady = self.steady.threshold(now, self._step_s, ranks, t["step"])
         # A steady job's short-window activity is kept current every tick: a
         # rate over a long gap would average the work done before the stall.
         hb = t["heartbeat_mono"]

@@ -41,6 +41,8 @@ SEEDED_MIN_STEPS = 3
 """Training steps every rank needs, after a restart, to use a steady threshold seeded from thresholds.json."""
 LONGEST_FACTOR = 2.0
 """A rank is never called hung sooner than this many times the job's longest training step (factor)."""
+MIN_TIMED = 8
+"""Step times (one per detector tick that saw a rank step) every rank needs for its p99 (count)."""
 WARM_STEPS = 2
 """Training steps of each process left out of the longest step (its first is never timed)."""
 REFRESH_S = 1.0
@@ -68,6 +70,8 @@ class SteadyJob:
         self._value = math.inf
         self._at = -math.inf
         self.activity = ActivityTracker(window_s=STILL_WINDOW_S)
+        self._first = np.zeros(0, dtype=np.int64)
+        """Per rank: its step when its process was first seen (-1: not yet)."""
 
     def not_writing(self, table: np.ndarray, hb_stale: np.ndarray, active_io: float) -> np.ndarray:
         """Rows whose process moved no I/O worth the name over the last
@@ -89,27 +93,40 @@ class SteadyJob:
             self.longest = float(keep.max())
             self._at = -math.inf
 
-    def reset(self) -> None:
-        """Some rank restarted: its history is gone, recompute at the next call."""
+    def reset(self, ranks: np.ndarray) -> None:
+        """These ranks restarted (a new process, or a step back): their history
+        is gone; their steps count from here; recompute at the next call."""
+        if len(ranks) and len(self._first):
+            self._first[ranks[ranks < len(self._first)]] = -1
         self._at = -math.inf
 
-    def threshold(self, now: float, ring: RankRing, ranks: np.ndarray) -> float:
-        """Seconds without progress after which a still rank is hung, or inf
-        while the job is not (yet) steady."""
+    def steps_done(self, ranks: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Training steps each rank completed since its process was first seen
+        (a tick may see several: the step history holds one time per tick)."""
+        if len(ranks) and int(ranks.max()) >= len(self._first):
+            self._first = np.concatenate([self._first, np.full(int(ranks.max()) + 1 - len(self._first), -1)])
+        new = self._first[ranks] < 0
+        self._first[ranks[new]] = steps[new]
+        return steps - self._first[ranks]
+
+    def threshold(self, now: float, ring: RankRing, ranks: np.ndarray, steps: np.ndarray) -> float:
+        """Seconds without progress after which a rank its peers wait on is
+        hung, or inf while the job is not (yet) steady."""
         if not self.enabled or len(ranks) == 0:
             return math.inf
+        done = self.steps_done(ranks, steps)
         if now - self._at < REFRESH_S:
             return self._value
         self._at = now
         self._value = math.inf
         need = SEEDED_MIN_STEPS if self._seed is not None else self.min_steps
         counts = ring.counts(ranks)
-        if counts.min() < need:
+        if done.min() < need or counts.min() < min(need, MIN_TIMED):
             return math.inf
         values, n = ring.window(ranks)
         p99 = float(np.nanmax(row_quantile(values, n, 0.99)))
         self.samples = int(counts.sum())
-        if self._seed is not None and counts.min() < self.min_steps:
+        if self._seed is not None and done.min() < self.min_steps:
             p99 = max(p99, self._seed[0])
         self.p99 = p99
         value = max(self.steady_floor_s, self.k * p99, LONGEST_FACTOR * self.longest)
