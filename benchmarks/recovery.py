@@ -104,7 +104,8 @@ def run(home, job, ranks, *extra):
     return proc.returncode, out
 
 
-def integrated(args) -> None:
+def reference(args):
+    """(final step, final weights) of an uninterrupted run of the default job."""
     log(f"uninterrupted default job on {args.ranks} ranks ...")
     ref_home, ref_job = new_home("recovery-ref"), uid("ref")
     code, out = run(ref_home, ref_job, args.ranks)
@@ -112,6 +113,11 @@ def integrated(args) -> None:
         raise SystemExit(f"reference run failed:\n{out[-3000:]}")
     ref_step, ref = final_weights(ref_home, ref_job)
     log(f"  done at step {ref_step}")
+    return ref_step, ref
+
+
+def integrated(args) -> None:
+    ref_step, ref = reference(args)
 
     spec = f"hang:where={args.where},rank={args.rank},step={args.step}"
     log(f"default job with --inject {spec} ...")
@@ -156,12 +162,7 @@ def in_process(args) -> None:
     detection to the first new step, fault to the first new step, the fallback
     rate (runs that needed a process restart) and the final weights against an
     uninterrupted run."""
-    log(f"uninterrupted default job on {args.ranks} ranks ...")
-    ref_home, ref_job = new_home("recovery-ref"), uid("ref")
-    code, out = run(ref_home, ref_job, args.ranks)
-    if code != 0:
-        raise SystemExit(f"reference run failed:\n{out[-3000:]}")
-    ref_step, ref = final_weights(ref_home, ref_job)
+    ref_step, ref = reference(args)
     spec = f"hang:where=collective_skip,rank={args.rank},step={args.step}"
     rows = []
     for i in range(args.in_process):
