@@ -93,6 +93,7 @@ def commands(tool: str, topo: tuple[int, int], work: Path, args) -> list[tuple[l
     nnodes, nproc = topo
     port = free_port()
     out = []
+    secret = os.urandom(16).hex()  # a multi-node trainwatch job's store needs a secret, the same on every node
     for node in range(nnodes):
         home = work / f"home{node}"
         home.mkdir()
@@ -104,6 +105,7 @@ def commands(tool: str, topo: tuple[int, int], work: Path, args) -> list[tuple[l
             if nnodes == 1:
                 cmd.remove("--standalone")
             env = env_for(home)
+            env["TRAINWATCH_JOB_SECRET"] = secret
         else:
             env = {k: v for k, v in os.environ.items()
                    if not k.startswith("TRAINWATCH_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -196,6 +198,10 @@ def run(tool: str, topo: tuple[int, int], args, faults: list) -> dict:
     res.update(tool=tool, topology=f"{nnodes}x{nproc}", faults=len(fired),
                fault_kinds={k: sum(1 for f in fired if f["kind"] == k) for k in FAULT_KINDS},
                exited_early=any(p.returncode not in (None, 0, -15) for p in procs) and t_end - t0 < seconds - 1)
+    if res["exited_early"]:
+        for i in range(len(procs)):
+            tail = (work / f"node{i}.log").read_text(errors="replace").strip().splitlines()[-5:]
+            log(f"  {tool} node {i} ended after {t_end - t0:.1f} s: " + " | ".join(tail))
     if tool == "trainwatch":
         # node 0 hosts the store: on a multi-node job its sidecar aggregates (jobs/<job>/nodes/n0/)
         job_dir = work / "home0" / "jobs" / f"gp-{work.name}"
