@@ -285,7 +285,7 @@ class HangDetector(Detector):
         ranks = np.asarray(ranks, dtype=np.int64)
         ranks = ranks[(ranks >= 0) & (ranks < len(self._p99))]
         base = np.fmax(cfg.floor_s, cfg.k * self._p99_of(ranks)) if len(ranks) else np.zeros(0)
-        steady = self.steady._value
+        steady = self.steady.value
         return {"floor_s": cfg.floor_s, "k": cfg.k,
                 "steady_s": round(steady, 3) if math.isfinite(steady) else None,
                 "ranks": {str(int(r)): round(float(b), 3) for r, b in zip(ranks, base)}}

@@ -134,6 +134,11 @@ class SteadyJob:
             self._value = value
         return self._value
 
+    @property
+    def value(self) -> float:
+        """The threshold at the last computation (inf: none in force)."""
+        return self._value
+
     def learnt(self) -> tuple[float, float, int] | None:
         """(p99, longest, samples) worth keeping, or None."""
         if not self.enabled or not math.isfinite(self.p99) or self.samples <= 0:
