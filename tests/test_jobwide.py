@@ -128,3 +128,17 @@ def test_job_incidents_are_taken_once_by_every_node(store):
     b.store.add(b.key("incidents"), 1)
     b.store.set(b.key("incident/3"), b"\xff{")
     assert b.incidents_since(2) == (3, [])
+
+
+def test_a_job_incident_a_node_already_has_open_is_not_a_second_one():
+    from trainwatch.watchdog.jobwide import told_here
+
+    local = {"id": "n0-1", "kind": "hang", "culprit_ranks": [1], "node": "n0"}  # its process state: stopped
+    job = {"id": "job-7", "kind": "hang", "culprit_ranks": [1], "scope": "job"}
+    assert told_here(job, [local])
+    assert not told_here(job, [])  # the other node records the job's
+    assert not told_here(job | {"culprit_ranks": [2]}, [local])
+    assert not told_here(job | {"kind": "collective_mismatch"}, [local])
+    assert not told_here(job | {"culprit_ranks": []}, [local | {"culprit_ranks": []}])
+    assert not told_here(job, [local | {"scope": "job"}])  # a job incident is not this node's own
+

@@ -262,3 +262,24 @@ def test_a_collective_skipped_on_another_node_is_a_mismatch_naming_rank_and_node
     first = found[0]
     assert first["kind"] == "collective_mismatch", found
     assert first["culprit_ranks"] == [3] and first.get("nodes") == ["n1"], first
+
+
+def test_a_stopped_rank_on_two_nodes_is_one_incident_on_each_node(tmp_path):
+    """Rank 1 (node 0) is stopped: node 0's process state names it at once (its
+    own hang incident); the job's hang detector, on node 0 too, calls the same
+    stall later: node 0 keeps its one incident, node 1 records the job's."""
+    nodes = Nodes(tmp_path)
+    try:
+        nodes.start("--inject", "stop:rank=1,step=15", "--no-restart", *TRAINER, "--max-steps", "100000")
+        hangs = lambda i: [e for e in events(nodes.homes[i], nodes.job) if e["kind"] == "hang"]  # noqa: E731
+        wait_for(lambda: hangs(0), 120, what="node 0's incident for the stopped rank")
+        wait_for(lambda: hangs(1), 60, what="the job's hang incident, taken by node 1")
+        # Node 0 takes the same job incident in the same store rounds: watch it for a few of them.
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and len(hangs(0)) == 1:
+            time.sleep(0.2)
+        per_node = [hangs(0), hangs(1)]
+    finally:
+        nodes.stop()
+    assert [len(found) for found in per_node] == [1, 1], per_node
+    assert all(found[0]["culprit_ranks"] == [1] for found in per_node), per_node

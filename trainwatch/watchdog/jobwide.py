@@ -242,6 +242,16 @@ def job_scope(detectors: list, *, aggregator: bool) -> list:
     return [d for d in detectors if (d.name in JOB_SCOPE) == aggregator]
 
 
+def told_here(record: dict, open_here) -> bool:
+    """A job incident this node already has open as its own: the same kind
+    about the same culprits (a rank here its process state showed stopped,
+    before the job's hang detector called the same stall). One fault, one
+    incident: the node keeps its own, with the actions it already took."""
+    culprits = sorted(record.get("culprit_ranks") or [])
+    return bool(culprits) and any(o.get("scope") != "job" and o.get("kind") == record.get("kind")
+                                  and sorted(o.get("culprit_ranks") or []) == culprits for o in open_here)
+
+
 # ---- one node's part in the job-wide watchdog ------------------------------------------
 
 
@@ -291,7 +301,8 @@ class JobWideNode:
                                  name="trainwatch-remote-capture").start()
             self.incidents_seen, taken = self.store.incidents_since(self.incidents_seen)
             for record in filter(None, map(store_record, taken)):
-                sc.emit(record)
+                if not told_here(record, sc.open.values()):
+                    sc.emit(record)
             self.store_failed = False
         except Exception as e:  # a store that went away raises torch's DistNetworkError, RuntimeError, ...
             if not self.store_failed:
