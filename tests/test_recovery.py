@@ -77,15 +77,16 @@ def test_a_collective_mismatch_recovers_inside_the_ranks_bit_identical(tmp_path,
     """Every rank alive and responsive: the group is formed again in the same
     processes and the newest step all staged restored from memory; no restart."""
     ckpt = tmp_path / "ckpt"
-    r = trainwatch(tmp_path, "launch", "--nproc-per-node", "4", "--job", "inproc", "--inject", SKIP,
-                   *TRAINER, "--ckpt-dir", str(ckpt), timeout=400)
+    # Step 30: past the step-time baseline, so the step that spans the stall would show as a spike.
+    r = trainwatch(tmp_path, "launch", "--nproc-per-node", "4", "--job", "inproc", "--inject",
+                   SKIP.replace("step=12", "step=30"), *TRAINER, "--ckpt-dir", str(ckpt), timeout=400)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     rec = job_json(tmp_path, "inproc")
     assert rec["status"] == "succeeded" and rec["restarts"] == 0, rec
     [incident] = events(tmp_path, "inproc")  # each incident with its actions' results merged in
     assert incident["kind"] == "collective_mismatch" and incident["culprit_ranks"] == [2], incident
     inproc = incident["in_process"]
-    assert inproc["ok"] is True and inproc["ranks"] == [0, 1, 2, 3] and inproc["step"] >= 11, inproc
+    assert inproc["ok"] is True and inproc["ranks"] == [0, 1, 2, 3] and inproc["step"] >= 29, inproc
     assert incident["restart"]["requested"] is False and "checkpoint" not in incident, incident
     assert r.stdout.count("recovered in process in") == 5  # the sidecar's line and each rank's
     weights = final_weights(ckpt)

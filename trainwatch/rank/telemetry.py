@@ -325,11 +325,17 @@ class Telemetry:
         """The emergency checkpointer (its staged steps and states), or None."""
         return self._emergency
 
-    def collectives_reformed(self) -> None:
+    def process_group_reformed(self) -> None:
         """The process group was created again (in-process recovery): collective
-        counts start over with it, on every rank alike."""
+        counts start over with it, on every rank alike, and the next step is
+        timed from here, as a new process's first is (the stall and the recovery
+        before it are the incident's time, not a slow step)."""
         self.py_collectives = self.world_collectives = 0
         self._seq_fn = flightrec.default_group_seq()
+        self._last = _monotonic()
+        self._wait_s = 0.0
+        self._acc[:] = [0.0] * 3
+        self._timed = False
 
     def emergency_save(self, reason: str) -> str | None:
         """Write the last staged state now (e.g. a peer died and this rank is exiting)."""

@@ -429,7 +429,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
         try:
             with tw.phase("init"):
                 done = recovery.recover(reform, tw.staged().staged_steps, restore)
-                tw.collectives_reformed()
+                tw.process_group_reformed()
                 ddp, log_group = wrap(), dist.new_group()
         except inprocess.RecoveryFailed as why:
             recovery.wait_for_restart(str(why))
