@@ -337,3 +337,23 @@ def test_a_long_no_grad_block_is_published_as_eval_and_left_when_it_ends(segment
     tw._nograd_since = start + 10
     tw.end_forward_only()
     assert slots.phase_name(row(segment)["phase"]) == "compute"
+
+
+def test_the_step_after_the_process_group_is_formed_again_is_timed_from_there(segment, monkeypatch):
+    """In-process recovery: the stall and the recovery before the first step
+    in the new group are the incident's time. That step is timed from the
+    re-formed group and, like a new process's first, is never a peak (a
+    step_time_spike beside the mismatch it recovered from)."""
+    clock = Clock(monkeypatch)
+    tw = handle(segment)
+    for _ in range(3):
+        clock.tick(0.1)
+        tw.step()
+    segment.acknowledge_read(segment.read_table())
+    with tw.phase("collective"):
+        clock.tick(5.0)  # the stall, then the recovery
+    tw.process_group_reformed()
+    clock.tick(0.1)
+    tw.step()
+    r = row(segment)
+    assert r["step_s"] == pytest.approx(0.1) and r["peak_step_s_step"] != 4, (r["step_s"], r["peak_step_s"])
