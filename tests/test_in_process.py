@@ -42,15 +42,6 @@ def test_blocked_collectives_break_and_the_group_forms_again(tmp_path, free_tcp_
         assert o["done"] == [7, 11] and o["wanted"] is False, o
 
 
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        self.t += 0.01
-        return self.t
-
-
 def _live(seg_path, n, *, ready=True, heartbeat_age=0.0):
     from trainwatch.rank.slotwriter import SlotWriter
 
@@ -74,7 +65,7 @@ def test_the_sidecar_asks_only_a_job_that_can_recover_in_its_processes(tmp_path)
         seg = str(tmp_path / f"{name}.slots")
         slots.create_segment(seg, 2)
         segment, _ = _live(seg, 2, **kwargs)
-        res = request_in_process(segment, 1.0, proc_state=state, clock=Clock())
+        res = request_in_process(segment, 1.0, proc_state=state)  # refused before any wait
         assert res["ok"] is False and why in res["skipped"], res
         assert answer(segment, 0)[0] == 0  # nothing asked
 
