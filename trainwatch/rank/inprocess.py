@@ -101,11 +101,13 @@ class InProcessRecovery:
         request = self.writer.read_recover_request()
         if request == 0 or request == self._seen:
             return
-        with self._lock:
+        with self._lock:  # held through the cut: recover() never re-forms while a cut is under way
+            if request == self._seen:
+                return
             self._seen = request
             self.pending = request
             self.cut_at = time.monotonic()
-        cut_collective_connections(self.store_ports)
+            cut_collective_connections(self.store_ports)
 
     # ---- training thread --------------------------------------------------------------
 
@@ -128,7 +130,11 @@ class InProcessRecovery:
         import torch
         import torch.distributed as dist
 
-        request = self.pending
+        self.poll()  # the error may come from a peer's cut before this rank's sampler saw the request
+        with self._lock:
+            request = self.pending
+        if not request:
+            raise RecoveryFailed("no in-process recovery was asked for")
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
