@@ -200,3 +200,18 @@ def test_mismatch_mutes_the_hang_it_causes():
     assert engine.tick(view(t, 12.0)) == []  # still the same stall
     set_rows(t, [0, 1], step=6, progress_mono=13.0)  # training moved on
     assert [i.kind for i in engine.tick(view(t, 13.5))] == ["hang"]
+
+
+def test_a_cause_known_from_outside_mutes_what_it_explains_and_nothing_else():
+    """`causes` (a restart under way, another node's open crash) mute the kinds
+    they name for the round: never opened, so the same finding once the cause
+    is gone is a new incident; other kinds still open."""
+    scripted = Scripted()
+    engine = DetectorEngine([scripted])
+    t = make_table(4, step=10)
+    scripted.next = [incident("hang", (2,)), incident("loss_nan", (1,))]
+    out = engine.tick(view(t, 100.0), causes={"a restart under way": frozenset({"hang"})})
+    assert [i.kind for i in out] == ["loss_nan"]
+    assert [i.kind for i in engine.open_incidents()] == ["loss_nan"]
+    scripted.next = [incident("hang", (2,))]
+    assert [i.kind for i in engine.tick(view(t, 101.0))] == ["hang"]

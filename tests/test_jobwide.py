@@ -18,6 +18,7 @@ from trainwatch.watchdog.jobwide import (
     decode_summary,
     encode_summary,
     job_scope,
+    node_causes,
     rebase,
 )
 
@@ -64,7 +65,10 @@ def test_job_scope_detectors_run_once_on_the_aggregator():
     assert not {d.name for d in job_scope(every, aggregator=False)} & set(JOB_SCOPE)
 
 
-def test_the_aggregator_names_a_culprit_on_another_node_once(store):
+def _stalled_job(store, causes_until: int = 0, causes: dict | None = None) -> tuple[Aggregator, list]:
+    """Four ranks on two nodes through a real store; from tick 60 rank 3 (node 1)
+    computes and never ends its step while the others wait for it. Node 1
+    publishes `causes` with its summaries until tick `causes_until`."""
     endpoint, _server = store
     clock = Clock(1000.0)
     agg = Aggregator(DetectorEngine(job_scope(default_detectors(), aggregator=True)), clock=clock)
@@ -89,12 +93,43 @@ def test_the_aggregator_names_a_culprit_on_another_node_once(store):
         seq += 1
         for i, n in enumerate(("n0", "n1")):
             part = rebase(job.table[2 * i: 2 * i + 2], bases[n])
-            pub.publish(n, encode_summary(n, seq, view.now + bases[n], part))
+            said = causes if n == "n1" and tick < causes_until else None
+            pub.publish(n, encode_summary(n, seq, view.now + bases[n], part, causes=said))
         summaries = [s for s in map(decode_summary, reader.summaries(reader.nodes())) if s is not None]
-        found += agg.tick(summaries)
-    hangs = [i for i in found if i.kind == "hang"]
-    assert len(hangs) == 1 and hangs[0].culprit_ranks == [3], [i.summary for i in found]
+        found += [(tick, i) for i in agg.tick(summaries)]
+    return agg, found
+
+
+def test_the_aggregator_names_a_culprit_on_another_node_once(store):
+    agg, found = _stalled_job(store)
+    hangs = [i for _, i in found if i.kind == "hang"]
+    assert len(hangs) == 1 and hangs[0].culprit_ranks == [3], [i.summary for _, i in found]
     assert agg.nodes_of(hangs[0].culprit_ranks) == ["n1"]
+
+
+def test_what_a_node_says_explains_its_stall_mutes_the_job_hang(store):
+    """A node restarting its workers (its slots hold the stopped workers' last
+    words), or with its own crash open, says so in its summary: the stall the
+    aggregator sees is muted there, never opened (the same stall without that
+    word is the hang of the test above)."""
+    restarting = node_causes("n1", True, [])
+    assert restarting == {"a restart under way on n1": ["collective_mismatch", "hang", "straggler"]}
+    crash = node_causes("n1", False, [{"kind": "crash", "culprit_ranks": [3]}])
+    assert crash == {"the crash on n1": ["collective_mismatch", "hang"]}
+    for causes in (restarting, crash):
+        agg, found = _stalled_job(store, causes_until=200, causes=causes)
+        assert not [i for _, i in found if i.kind in ("hang", "collective_mismatch")], found
+        assert not agg.engine.open_incidents()
+
+
+def test_a_node_says_only_its_own_open_causes():
+    open_here = [{"kind": "crash", "scope": "job"}, {"kind": "straggler"}, {"kind": "loss_nan"},
+                 {"kind": "hang", "culprit_ranks": [1]}]
+    assert node_causes("n0", False, open_here) == {"the hang on n0": ["collective_mismatch"]}
+    # What another writer put in a summary's causes is kept only where it names kinds the aggregator judges.
+    table = _SyntheticJob(2).advance().table
+    payload = encode_summary("n0", 1, 1.0, table, causes={"x": ["hang", "node_lost", 3], "y": "hang"})
+    assert decode_summary(payload).causes == {"x": frozenset({"hang"})}
 
 
 def test_a_silent_node_is_lost_after_the_threshold_and_a_finished_one_is_not():

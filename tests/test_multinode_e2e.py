@@ -283,3 +283,24 @@ def test_a_stopped_rank_on_two_nodes_is_one_incident_on_each_node(tmp_path):
         nodes.stop()
     assert [len(found) for found in per_node] == [1, 1], per_node
     assert all(found[0]["culprit_ranks"] == [1] for found in per_node), per_node
+
+
+def test_a_rank_killed_again_and_again_is_crashes_only_while_both_nodes_restart(tmp_path):
+    """Rank 3 (node 1) is SIGKILLed four times: the restarts back off (0, 2,
+    4, 8 s), and all that while the slots on both nodes hold the stopped
+    workers' last steps and silent heartbeats. The job-wide watchdog on node 0
+    judges none of it (no job hang, no mismatch): node 1 records its crashes,
+    and every restart comes back."""
+    nodes = Nodes(tmp_path)
+    crashes = [a for step in (25, 40, 55, 70) for a in ("--inject", f"crash:rank=3,step={step},signal=KILL")]
+    try:
+        nodes.start("--max-restarts", "5", *crashes, *TRAINER, "--max-steps", "90", "--ckpt-interval", "10")
+        codes = nodes.wait()
+    finally:
+        nodes.stop()
+    assert codes == [0, 0], nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
+    found = [[e for e in events(h, nodes.job) if e["kind"] in ("crash", "hang", "collective_mismatch", "node_lost")]
+             for h in nodes.homes]
+    assert not [e for f in found for e in f if e["kind"] != "crash"], found
+    assert [e["culprit_ranks"] for e in found[1]] == [[3]] * 4, found[1]
+    assert [node_job(h, nodes.job, f"n{i}")["restarts"] for i, h in enumerate(nodes.homes)] == [4, 4]

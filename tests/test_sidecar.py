@@ -104,6 +104,29 @@ def test_hang_is_one_incident_with_outputs(job):
     assert json.loads(state.JobDir("sc").telemetry_file.read_text())["goodput"]["wall_s"] == round(gp.wall_s, 3)
 
 
+def test_nothing_is_judged_from_the_slots_while_the_agent_restarts_the_workers(job):
+    """From the teardown until the new workers start (control/restarting, the
+    agent's word), the slots hold the stopped workers' last steps: a stall
+    there is no hang (the same stall without that word is the hang of the test above)."""
+    clock = Clock(1000.0)
+    sc = Sidecar("sc", job, node="n0", clock=clock, out=io.StringIO())
+    ws = writers(job)
+    for step in range(1, 30):
+        clock.t = 1000.0 + step * 0.5
+        publish(ws, step, clock.t, ["backward"] * 4)
+        sc.tick()
+    t_stop = clock.t
+    ws[2].write_step(29, 2.0, 1.0, 0.5, 0.3, t_stop, 0.0, slots.PHASE_CODES["data"], t_stop, 29)
+    restarting = state.JobDir("sc").restarting_file
+    restarting.touch()
+    for k in range(1, 150):
+        clock.t = t_stop + k * 0.1
+        for w in ws:
+            w.write_sampler(clock.t, True, 29, [slots.CollectiveGroup(0, 29, 29, "allreduce")])
+        assert sc.tick() == [], k
+    assert state.JobDir("sc").incidents() == [] and sc.engine.open_incidents() == []
+
+
 def test_a_failing_round_never_ends_the_loop(job):
     sc = Sidecar("sc", job, node="n0", out=io.StringIO())
     calls = []

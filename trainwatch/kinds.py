@@ -103,6 +103,10 @@ RESTART_KINDS = frozenset(k.name for k in KINDS.values() if k.response is Respon
 IN_PROCESS_KINDS = frozenset(k.name for k in KINDS.values() if k.in_process)
 ALERT_ONLY_KINDS = tuple(k.name for k in KINDS.values() if k.response is Response.ALERT)
 JOB_SCOPE_KINDS = tuple(k.name for k in KINDS.values() if k.job_scope)
+RESTART_QUIET = frozenset({"hang", "collective_mismatch", "straggler"})
+"""Kinds never judged while a worker group is being restarted: until the new
+workers start, the slots hold the stopped workers' last words (old steps,
+silent heartbeats), which say nothing about the job's progress."""
 
 
 def spec(kind: str) -> KindSpec | None:

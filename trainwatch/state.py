@@ -233,6 +233,7 @@ class JobDir:
         self.exits_file = self.control_dir / "exits.jsonl"
         self.restart_request_file = self.control_dir / "restart-request.json"
         self.restart_timing_file = self.control_dir / "restart-timing.json"
+        self.restarting_file = self.control_dir / "restarting"  # present while the agent restarts the workers
         self.sidecar_config_file = self.control_dir / "sidecar-config.json"
         self.faults_file = self.control_dir / "faults.jsonl"
         self.errors_file = self.control_dir / "errors.jsonl"
@@ -271,8 +272,8 @@ class JobDir:
         """A new run takes the name: the control records of earlier runs (exits,
         restart requests and timings, fired faults, the sidecar's record) go, so
         nothing of theirs is ever replayed as this run's."""
-        for path in (self.exits_file, self.restart_request_file, self.restart_timing_file, self.faults_file,
-                     self.errors_file, self.sidecar_file):
+        for path in (self.exits_file, self.restart_request_file, self.restart_timing_file, self.restarting_file,
+                     self.faults_file, self.errors_file, self.sidecar_file):
             try:
                 path.unlink()
             except FileNotFoundError:

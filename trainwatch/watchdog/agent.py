@@ -86,8 +86,11 @@ class TrainwatchAgent(LocalElasticAgent):
             print("[trainwatch] the warm-start process exited; starting a new one", flush=True)
             self.zygote = warmstart.Zygote(self.zygote.preload, self.zygote.entry, self.zygote.job)
             self.zygote.start()
-        with warmstart.using(self.zygote):
-            pids = super()._start_workers(worker_group)
+        try:
+            with warmstart.using(self.zygote):
+                pids = super()._start_workers(worker_group)
+        finally:
+            self._restarting(False)  # the slots were cleared: the sidecar reads only the new workers from here
         ranks = [
             {
                 "rank": w.global_rank,
@@ -106,6 +109,18 @@ class TrainwatchAgent(LocalElasticAgent):
         )
         self._on_event("workers_started", {"ranks": ranks})
         return pids
+
+    def _restarting(self, on: bool) -> None:
+        """Tell the sidecar a restart is under way, from the teardown until the
+        new workers started (control/restarting): meanwhile the slots hold the
+        stopped workers' last words and the job-scope detectors judge nothing."""
+        try:
+            if on:
+                self.dir.restarting_file.touch(mode=0o600)
+            else:
+                self.dir.restarting_file.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         # Only torchelastic's own handling of a signal to the launcher is a
@@ -180,6 +195,7 @@ class TrainwatchAgent(LocalElasticAgent):
         print(f"[trainwatch] restarting worker group (restart {self.restart_count}/{worker_group.spec.max_restarts}"
               + (f", after {backoff:.0f}s backoff" if backoff else "") + ")", flush=True)
         t0 = time.monotonic()
+        self._restarting(True)
         self.dir.update_job(status=JobStatus.RESTARTING)
         self._stop_workers(worker_group)
         t1 = time.monotonic()

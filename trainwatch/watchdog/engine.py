@@ -130,10 +130,14 @@ class DetectorEngine:
         """The running detector of that name (e.g. 'straggler' for its ratios)."""
         return next((d for d in self.detectors if d.name == name), None)
 
-    def tick(self, view: TickView, extra: Iterable[Incident] = ()) -> list[Incident]:
+    def tick(self, view: TickView, extra: Iterable[Incident] = (),
+             causes: dict[str, Iterable[str]] | None = None) -> list[Incident]:
         """Run one round over `view`; return the incidents newly opened (to act
         on now). `extra`: incidents found outside the detectors this round
-        (hardware events), which share the same lifecycle."""
+        (hardware events), which share the same lifecycle. `causes`: what is
+        known this round from outside the detectors to explain incidents of
+        the kinds it names (a restart under way, a node's open crash): those
+        are muted this round, never opened."""
         found: list[Incident] = []
         for inc in extra:
             if not inc.detected_mono:
@@ -163,6 +167,8 @@ class DetectorEngine:
                 continue
             reported.add(inc.key)
             cause = next((k for k, muted in MUTES.items() if inc.kind in muted and k in self._episodes), None)
+            if cause is None and causes:
+                cause = next((c for c, muted in causes.items() if inc.kind in muted), None)
             if cause is None and inc.kind in _OPEN_MUTED:
                 open_kinds = {s.incident.kind for s in self._seen.values() if s.incident is not None}
                 cause = next((k for k, muted in kinds.OPEN_MUTES.items() if inc.kind in muted and k in open_kinds),

@@ -106,9 +106,10 @@ def store_record(raw: Any) -> dict | None:
 # ---- summaries --------------------------------------------------------------------------
 
 
-def encode_summary(node: str, seq: int, now: float, table: np.ndarray, *, final: bool = False) -> bytes:
+def encode_summary(node: str, seq: int, now: float, table: np.ndarray, *, final: bool = False,
+                   causes: dict[str, list[str]] | None = None) -> bytes:
     header = {"v": SUMMARY_VERSION, "layout": slots.LAYOUT_VERSION, "node": node, "seq": seq, "now": now,
-              "rows": int(len(table)), "final": final}
+              "rows": int(len(table)), "final": final, "causes": causes or {}}
     return json.dumps(header).encode() + b"\n" + np.ascontiguousarray(table, dtype=slots.slot_dtype()).tobytes()
 
 
@@ -119,6 +120,28 @@ class Summary:
     now: float
     table: np.ndarray
     final: bool = False
+    causes: dict[str, frozenset] = field(default_factory=dict)
+    """What the node knows explains some job-scope findings: cause -> the kinds it mutes."""
+
+
+def node_causes(node: str, restarting: bool, open_here) -> dict[str, list[str]]:
+    """What a node publishes beside its rows: a restart under way (its slots
+    hold the stopped workers' last words) and its own open incidents that
+    explain the stalls of the ranks waiting on them (a crash). The aggregator
+    mutes what they explain, as this node's own engine does."""
+    out = {f"a restart under way on {node}": sorted(kinds.RESTART_QUIET)} if restarting else {}
+    for record in open_here:
+        kind = record.get("kind")
+        if record.get("scope") != "job" and kind in kinds.MUTES:
+            out[f"the {kind} on {node}"] = sorted(kinds.MUTES[kind])
+    return out
+
+
+def _causes(raw: Any) -> dict[str, frozenset]:
+    if not isinstance(raw, dict):
+        return {}
+    return {str(c)[:200]: frozenset(k for k in muted if isinstance(k, str) and k in kinds.RESTART_QUIET)
+            for c, muted in list(raw.items())[:16] if isinstance(muted, list)}
 
 
 def decode_summary(payload: bytes | None) -> Summary | None:
@@ -138,7 +161,7 @@ def decode_summary(payload: bytes | None) -> Summary | None:
     if h["rows"] < 0 or len(body) != h["rows"] * dtype.itemsize:
         return None
     table = np.frombuffer(body, dtype=dtype).copy()
-    return Summary(h["node"], h["seq"], float(h["now"]), table, h.get("final") is True)
+    return Summary(h["node"], h["seq"], float(h["now"]), table, h.get("final") is True, _causes(h.get("causes")))
 
 
 def rebase(table: np.ndarray, offset: float) -> np.ndarray:
@@ -161,6 +184,7 @@ class _NodeSeen:
     table: np.ndarray
     final: bool = False
     lost: bool = False
+    causes: dict[str, frozenset] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,7 +205,7 @@ class Aggregator:
             # written back to the store (a replay must not revive a lost node).
             if seen is not None and s.seq <= seen.seq:
                 continue
-            self.nodes[s.node] = _NodeSeen(s.seq, now, now - s.now, s.table, s.final)
+            self.nodes[s.node] = _NodeSeen(s.seq, now, now - s.now, s.table, s.final, causes=s.causes)
 
     def table(self, *, include_lost: bool = False) -> tuple[np.ndarray, list[str]]:
         parts, labels = [], []
@@ -219,15 +243,15 @@ class Aggregator:
         self.observe(summaries)
         lost = self.lost_nodes()
         table, labels = self.table()
-        new = []
-        if len(table) or lost:
-            for inc in self.engine.tick(TickView(now=self.clock(), table=table, nodes=labels), extra=lost):
-                # While a node is lost, its peers wait for it: that is the node_lost incident.
-                if (inc.kind in ("hang", "collective_mismatch") and inc not in lost
-                        and any(s.lost for s in self.nodes.values())):
-                    continue
-                new.append(inc)
-        return new
+        if not (len(table) or lost):
+            return []
+        causes: dict[str, frozenset] = {}
+        for name, seen in sorted(self.nodes.items()):
+            if seen.lost:  # its peers wait for it: that is the node_lost incident
+                causes[f"node {name} lost"] = frozenset({"hang", "collective_mismatch"})
+            else:
+                causes.update(seen.causes)
+        return self.engine.tick(TickView(now=self.clock(), table=table, nodes=labels), extra=lost, causes=causes)
 
     def nodes_of(self, ranks: list[int]) -> list[str]:
         out = []
@@ -315,8 +339,9 @@ class JobWideNode:
         table = sc.last_table if sc.last_table is not None else np.zeros(0, dtype=slots.slot_dtype())
         self.published_seq += 1
         self.published_at = sc.clock()
+        causes = node_causes(sc.node, sc.last_restarting, list(sc.open.values()))
         self.store.publish(sc.node, encode_summary(sc.node, self.published_seq, self.published_at, table,
-                                                   final=final))
+                                                   final=final, causes=causes))
 
     def summaries(self) -> list[Summary]:
         return [s for s in map(decode_summary, self.store.summaries(self.store.nodes())) if s is not None]

@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Iterator
 
 
-from trainwatch import procctl, rankrow, slots, state
+from trainwatch import kinds, procctl, rankrow, slots, state
 from trainwatch.diagnostics.goodput import Goodput
 from trainwatch.watchdog import otel, thresholds
 from trainwatch.watchdog.config import SidecarConfig
@@ -78,6 +78,8 @@ class Sidecar:
         self.out = out if out is not None else sys.stdout
         self.dir = state.JobDir(job)
         self.last_table = None
+        self.last_restarting = False
+        """Whether the agent was restarting the workers as of the last read (control/restarting)."""
         self._full_table = None
         self._reads = 0
         self._incident_seq = 0
@@ -212,13 +214,15 @@ class Sidecar:
         return exits
 
     def tick(self) -> list:
+        # Looked at before the read: when it says no restart, the read holds the new workers' slots.
+        self.last_restarting = self.dir.restarting_file.exists()
         table = self.read()
         view = TickView(now=self.clock(), table=table, nodes=self.last_nodes, proc_state=procctl.process_state,
                         exits=self.read_exits())
-        # Hardware faults (NVML, kernel log) go through the engine too: one
-        # lifecycle for every incident, whatever saw it.
+        # Hardware faults (NVML, kernel log) go through the engine too: one lifecycle for every incident.
         extra = [i for source in self._hardware for i in source.poll_incidents(self)]
-        new = list(self.engine.tick(view, extra=extra))
+        quiet = {"a restart under way": kinds.RESTART_QUIET} if self.last_restarting else None
+        new = list(self.engine.tick(view, extra=extra, causes=quiet))
         for incident in new:
             self.emit(incident)
         for res in self.engine.take_resolved():
@@ -311,15 +315,11 @@ class Sidecar:
         return record
 
     def run(self, stop: threading.Event, writer: BackgroundWriter | None = None) -> None:
-        # One bad round is logged and never ends the loop: a watchdog that dies
-        # on the first odd slot is worse than none. Files are written on the
+        # One bad round is logged and never ends the loop. Files are written on the
         # writer thread: at thousands of ranks they take longer than a tick.
         writer = writer if writer is not None else BackgroundWriter()
-        # What exists now (modules, torch's objects when a store is used, the
-        # detectors) lives as long as the process: the cycle collector need not
-        # walk it again. At thousands of ranks every round allocates enough to
-        # trigger collections, and a full one over all of it is a pause of
-        # hundreds of milliseconds between two rounds.
+        # What exists now lives as long as the process: the cycle collector need not walk
+        # it again (at thousands of ranks a full collection is a pause of hundreds of ms).
         gc.freeze()
         interval_s = self.config.tick_s
         next_at = time.monotonic()
