@@ -37,8 +37,36 @@ TEARDOWN_S = 5.0
 """Grace a worker gets after SIGTERM before SIGKILL (torchelastic waits 30 s). Its
 state was already saved by the emergency checkpoint; waiting longer only delays
 the restart."""
+BACKOFF_RESET_S = 60.0
+"""A worker group that ran this long before it failed starts the restart backoff over (s)."""
 _SHUTDOWN_TAKES_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
 """torch 2.13's agent takes a teardown grace; some other releases (2.11) do not."""
+
+
+class Backoff:
+    """How long to wait before a restart, so that a job that keeps failing does
+    not flap: none for the first restart of a run of failures, then 2, 4, 8 s
+    ... up to `max_s`. A worker group that ran `reset_s` before it failed
+    starts the run over: a fault after a long healthy stretch is a first
+    fault again, not the tenth in a row (a long job would otherwise wait the
+    maximum at every restart for the rest of its life)."""
+
+    def __init__(self, max_s: float = 30.0, reset_s: float = BACKOFF_RESET_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_s, self.reset_s, self.clock = max_s, reset_s, clock
+        self.streak = 0
+        """Restarts in the current run of failures."""
+        self.started: float | None = None
+        """When the running worker group started (the clock's time)."""
+
+    def workers_started(self) -> None:
+        self.started = self.clock()
+
+    def next(self) -> float:
+        """The wait before the restart that is about to begin (s)."""
+        ran = self.clock() - self.started if self.started is not None else 0.0
+        self.streak = 1 if ran >= self.reset_s else self.streak + 1
+        return 0.0 if self.streak == 1 else min(self.max_s, 2.0 ** (self.streak - 1))
 
 
 class TrainwatchAgent(LocalElasticAgent):
@@ -56,7 +84,7 @@ class TrainwatchAgent(LocalElasticAgent):
         self._on_event = on_event or (lambda kind, data: None)
         self.restart_count = 0
         self.dir = state.JobDir(job)
-        self.max_backoff_s = 30.0
+        self.backoff = Backoff()
         self.emergency_timeout_s = emergency_timeout_s
         self._survivors_saved = -1
         self._usage_failures = 0
@@ -89,6 +117,7 @@ class TrainwatchAgent(LocalElasticAgent):
         try:
             with warmstart.using(self.zygote):
                 pids = super()._start_workers(worker_group)
+            self.backoff.workers_started()
         finally:
             self._restarting(False)  # the slots were cleared: the sidecar reads only the new workers from here
         ranks = [
@@ -188,10 +217,10 @@ class TrainwatchAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """torchelastic's own restart (stop, re-rendezvous, start), timed for the
         sidecar's recovery breakdown, with backoff so a job that keeps failing
-        does not flap: the first restart is immediate, then 2, 4, ... s."""
+        does not flap (`Backoff`)."""
         self.restart_count += 1
         os.environ[env.GENERATION] = str(self.restart_count)  # the workers started below inherit it
-        backoff = 0.0 if self.restart_count == 1 else min(self.max_backoff_s, 2.0 ** (self.restart_count - 1))
+        backoff = self.backoff.next()
         print(f"[trainwatch] restarting worker group (restart {self.restart_count}/{worker_group.spec.max_restarts}"
               + (f", after {backoff:.0f}s backoff" if backoff else "") + ")", flush=True)
         t0 = time.monotonic()
