@@ -354,15 +354,22 @@ def stalled_table(now: float) -> np.ndarray:
     return t
 
 
+def ras_ticks(det, t, n: int = 60) -> list:
+    """Ticks every 0.1 s from 100 s over a stalled table whose ranks' samplers stay alive:
+    [(time, incident)] in the order found."""
+    seen = []
+    for i in range(1, n):
+        v = view(t, 100.0 + i * 0.1)
+        v.table["heartbeat_mono"] = v.now
+        seen += [(v.now, inc) for inc in det.check(v)]
+    return seen
+
+
 def test_mismatch_ras_style_enqueued_seq_difference():
     det = CollectiveMismatchDetector()
     t = stalled_table(100.0)
     set_rows(t, 3, enqueued=811, completed=810)
-    seen = []
-    for i in range(1, 60):
-        v = view(t, 100.0 + i * 0.1)
-        v.table["heartbeat_mono"] = v.now
-        seen += [(v.now, inc) for inc in det.check(v)]
+    seen = ras_ticks(det, t)
     assert seen
     when, inc = seen[0]
     assert when >= 103.0 - 1e-9  # not before the stall time
@@ -372,6 +379,23 @@ def test_mismatch_ras_style_enqueued_seq_difference():
     assert inc.victims == [0, 1, 2]
     assert inc.evidence["source"] == "flight_recorder"
     assert inc.evidence["behind"] == {3: 811}
+
+
+def test_mismatch_ras_on_a_steady_job_compares_after_its_own_hang_threshold():
+    """A steady job (the hang detector's threshold_steady in force, wired by
+    default_detectors) has its parked ranks compared after that threshold, not
+    the conservative stall_s: watched from 0.5 s, settled 1.5 s later."""
+    from trainwatch.watchdog.detectors import default_detectors
+
+    det = next(d for d in default_detectors() if d.name == "collective_mismatch")
+    assert det.steady_s() == float("inf")  # not steady yet: stall_s as before
+    det.steady_s = lambda: 1.5
+    t = stalled_table(100.0)
+    set_rows(t, [0, 1, 2, 3], step_s=0.1)  # steady 100 ms steps
+    set_rows(t, 3, enqueued=811, completed=810)
+    seen = ras_ticks(det, t)
+    assert seen and seen[0][1].culprit_ranks == [3]
+    assert 101.5 <= seen[0][0] <= 102.2, seen[0][0]
 
 
 def test_mismatch_ras_style_op_difference_names_minority():
@@ -433,11 +457,7 @@ def test_mismatch_ras_parked_ranks_on_different_sequence_numbers():
     t = make_table(2, now=100.0, step=30, phase="backward", enqueued=356)
     set_rows(t, 0, completed=355)  # waiting for 356 to complete
     set_rows(t, 1, enqueued=358, completed=357)
-    found = []
-    for i in range(1, 80):
-        v = view(t, 100.0 + i * 0.1)
-        v.table["heartbeat_mono"] = v.now
-        found += [(v.now, inc) for inc in det.check(v)]
+    found = ras_ticks(det, t, 80)
     assert found and found[0][1].culprit_ranks == [0]
     assert found[0][0] >= 104.0 - 1e-9
 

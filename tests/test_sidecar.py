@@ -54,6 +54,16 @@ def publish(ws, step, now, phases, pycoll=None):
         w.write_sampler(now, True, step, [slots.CollectiveGroup(0, step, step, "allreduce")])
 
 
+def rank_2_stops_after_healthy_steps(sc, ws, clock) -> float:
+    """29 healthy 0.5 s steps, then rank 2 stops in data loading: the time it stopped."""
+    for step in range(1, 30):
+        clock.t = 1000.0 + step * 0.5
+        publish(ws, step, clock.t, ["backward"] * 4)
+        sc.tick()
+    ws[2].write_step(29, 2.0, 1.0, 0.5, 0.3, clock.t, 0.0, slots.PHASE_CODES["data"], clock.t, 29)
+    return clock.t
+
+
 def test_hang_is_one_incident_with_outputs(job):
     clock = Clock(1000.0)
     out = io.StringIO()
@@ -111,12 +121,7 @@ def test_nothing_is_judged_from_the_slots_while_the_agent_restarts_the_workers(j
     clock = Clock(1000.0)
     sc = Sidecar("sc", job, node="n0", clock=clock, out=io.StringIO())
     ws = writers(job)
-    for step in range(1, 30):
-        clock.t = 1000.0 + step * 0.5
-        publish(ws, step, clock.t, ["backward"] * 4)
-        sc.tick()
-    t_stop = clock.t
-    ws[2].write_step(29, 2.0, 1.0, 0.5, 0.3, t_stop, 0.0, slots.PHASE_CODES["data"], t_stop, 29)
+    t_stop = rank_2_stops_after_healthy_steps(sc, ws, clock)
     restarting = state.JobDir("sc").restarting_file
     restarting.touch()
     for k in range(1, 150):
@@ -177,12 +182,7 @@ def test_response_runs_off_the_tick(job, monkeypatch):
     sc = Sidecar("sc", job, node="n0", clock=clock, out=out, respond=True)
     sc.config.actions.restart = False  # alert only: the response is capture + verdict
     ws = writers(job)
-    for step in range(1, 30):
-        clock.t = 1000.0 + step * 0.5
-        publish(ws, step, clock.t, ["backward"] * 4)
-        sc.tick()
-    t_stop = clock.t
-    ws[2].write_step(29, 2.0, 1.0, 0.5, 0.3, t_stop, 0.0, slots.PHASE_CODES["data"], t_stop, 29)
+    t_stop = rank_2_stops_after_healthy_steps(sc, ws, clock)
     ticks_after = 0
     for k in range(1, 120):
         clock.t = t_stop + k * 0.1

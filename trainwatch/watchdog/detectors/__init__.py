@@ -70,7 +70,13 @@ def default_detectors(config: DetectorsConfig | None = None) -> list[Detector]:
         raise ValueError(
             f"unknown detector name(s) {', '.join(sorted(unknown))} in disabled; valid: {', '.join(REGISTRY)}"
         )
-    return [make(config) for name, make in REGISTRY.items() if name not in config.disabled]
+    out = [make(config) for name, make in REGISTRY.items() if name not in config.disabled]
+    by_name = {d.name: d for d in out}
+    hang, mismatch = by_name.get(HangDetector.name), by_name.get(CollectiveMismatchDetector.name)
+    if isinstance(hang, HangDetector) and isinstance(mismatch, CollectiveMismatchDetector):
+        # A steady job's parked ranks are compared after its own hang threshold (hang runs first in a tick).
+        mismatch.steady_s = lambda: hang.steady.value
+    return out
 
 
 __all__ = [

@@ -32,8 +32,10 @@ step's partner and values are silently wrong until a rank exits):
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -44,6 +46,8 @@ from trainwatch.watchdog.incident import Incident, describe_ranks
 _COLLECTIVE = slots.PHASE_CODES["collective"]
 _DONE = slots.PHASE_CODES["done"]
 _MAX_LISTED = 32
+_TRACK_MIN_S = 0.5
+"""Ranks this long without a step are the earliest whose sequence numbers are watched (s)."""
 _SOURCES = {
     "colls": ("py_collectives", "Python collectives on world-spanning groups"),
     "seq": ("default_pg_seq", "collectives on the default process group"),
@@ -60,7 +64,8 @@ class CollectiveMismatchConfig:
     persist_steps: int = 3
     """Consecutive compared steps the same ranks must disagree in the same direction (steps)."""
     stall_s: float = 4.0
-    """Time without a completed step before parked ranks' sequence numbers are compared (s)."""
+    """Time without a completed step before parked ranks' sequence numbers are compared (s); a
+    steady job's own hang threshold (the hang detector's `threshold_steady`) instead when shorter."""
     stall_factor: float = 4.0
     """...and at least this multiple of the rank's last step time, so long steps are not stalls (factor)."""
     settle_s: float = 1.5
@@ -96,6 +101,9 @@ class CollectiveMismatchDetector(Detector):
         if self.config.settle_rounds < 0:
             raise ValueError(f"settle_rounds must be >= 0; got {self.config.settle_rounds}")
         self._steps = StepTracker()
+        self.steady_s: Callable[[], float] = lambda: math.inf
+        """The job's steady hang threshold as the hang detector holds it (wired by
+        default_detectors; inf while the job is not steady)."""
         self._last_compared = 0
         self._open: _Disagreement | None = None
         self._current: Incident | None = None
@@ -251,7 +259,10 @@ class CollectiveMismatchDetector(Detector):
         age = now - t["progress_mono"]
         # Only ranks without a step for a while can be stalled; skipping the
         # others keeps a healthy 4096-rank tick cheap.
-        rows = np.nonzero(age >= min(cfg.settle_s, cfg.stall_s))[0]
+        # A steady job's ranks are parked for good well before the conservative
+        # stall_s: their numbers are watched early enough to have settled by then.
+        stall_s = min(cfg.stall_s, self.steady_s())
+        rows = np.nonzero(age >= min(cfg.settle_s, max(_TRACK_MIN_S, stall_s - cfg.settle_s)))[0]
         if len(rows) == 0:
             return None
         sub = t[rows]
@@ -285,7 +296,7 @@ class CollectiveMismatchDetector(Detector):
 
         ng = np.clip(sub["ngroups"], 0, slots.MAX_GROUPS)
         in_group = np.arange(width)[None, :] < ng[:, None]
-        limit = np.fmax(cfg.stall_s, cfg.stall_factor * np.nan_to_num(sub["step_s"]))
+        limit = np.fmax(stall_s, cfg.stall_factor * np.nan_to_num(sub["step_s"]))
         hb_stale = (hb > 0) & (now - hb > cfg.heartbeat_stale_s)
         # Parked: a launched collective has not completed (the flight recorder
         # counts collectives only, so a rank blocked in a send/recv is not
