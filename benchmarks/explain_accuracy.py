@@ -39,16 +39,20 @@ from trainwatch.diagnostics.xid import severity_rank
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explain"
 FIELDS = ("op", "rank", "xid", "severity")
 PARTS = ("dev", "retired", "heldout")
-PART_TITLES = {"dev": "dev", "retired": "retired (held-out round 1, seen)", "heldout": "heldout (round 2)"}
-FIRST_UNSEEN_SCORE = {
-    "heldout": {"round": 2, "texts": 47, "category_right": 34, "category_accuracy": 0.7234,
-                "top1_accuracy": 0.7234, "healthy_called_fault": 0, "scored_at": "82aea84"},
-}
+PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 and 2, seen)", "heldout": "heldout (round 3)"}
+FIRST_UNSEEN_SCORE: dict[str, dict] = {}
 """A held-out part's score from the run before any rule was written with its misses in view: the
 honest generalisation figure. Once its misses are studied the live figures below stop measuring it."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
-"""Whether a part's misses have been looked at while writing rules. The round-2 held-out set's were
-(after its first score, see FIRST_UNSEEN_SCORE): the next round retires it and collects a fresh one."""
+EARLIER_ROUNDS = (
+    {"round": 1, "texts": 34, "category_right": 26, "category_accuracy": 0.7647},
+    {"round": 2, "texts": 47, "category_right": 34, "category_accuracy": 0.7234,
+     "top1_accuracy": 0.7234, "healthy_called_fault": 0, "scored_at": "82aea84"},
+)
+"""First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
+corpus measured it), kept for the record."""
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
+"""Whether a part's misses have been looked at while writing rules. The round-3 held-out set's have
+not: its live figure is its generalisation figure until they are."""
 
 
 def _label(path: Path) -> dict:
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not r["category_ok"] or wrong:
                     print(f"    {r['name']}: want {r['want']}, got {r['got']}"
                           + (f", wrong fields {wrong}" if wrong else ""))
+    report["earlier_heldout_rounds"] = list(EARLIER_ROUNDS)
     print(json.dumps(report, sort_keys=True))
     return 0
 
