@@ -96,6 +96,8 @@ POSITIVE = [
     ("collective-wait", [("wait", "torch/distributed/distributed_c10d.py", 300), STEP]),
     ("collective-wait", [("c10d::ProcessGroupGloo::RecvWork::wait", "libtorch_cpu.so")]),
     ("collective-wait", [("ncclGroupEnd", "libnccl.so.2")]),
+    # a method of a collective's class in native code (an inference engine's all-gather plugin)
+    ("collective-wait", [("cudaStreamQuery", "libplugin.so"), ("trt::plugins::AllgatherPlugin::enqueue", "libplugin.so")]),
     ("cuda-synchronize", [("synchronize", "torch/cuda/__init__.py", 803), STEP]),
     ("cuda-synchronize", [("synchronize", "torch/cuda/__init__.py", 1219),
                           ("synchronize", "deepspeed/accelerator/cuda_accelerator.py", 89),
@@ -103,6 +105,8 @@ POSITIVE = [
     ("cuda-device-wait", [("cuEventSynchronize", "libcuda.so.1"),
                           ("_to_list", "vllm/v1/worker/gpu_model_runner.py", 10)]),
     ("cuda-device-wait", [("??", "/lib64/libcuda.so.1"), ("??", "/lib64/libcudart.so.12")]),
+    ("cuda-device-wait", [("_value", "jax/_src/array.py", 642), ("__float__", "jax/_src/array.py", 300),
+                          ("main", "train.py", 392)]),
     ("cuda-device-wait", [("cuMemcpyDtoH_v2", "libcuda.so.1"),
                           ("at::native::_to_copy(at::Tensor const&)", "libtorch_cpu.so")]),
     ("triton-compile", [("compile", "triton/compiler/compiler.py", 280), STEP]),

@@ -730,3 +730,45 @@ def test_an_xid_line_calling_itself_nonfatal_is_low() -> None:
     text = "[Tue Mar  3 04:05:06 2026] NVRM: Xid (PCI:0000:41:00): 144, SAW_MVB Nonfatal XC0 i0 Link 5 (0x0 0x1)\n"
     (finding,) = explain_inputs([("dmesg.txt", text.encode())])["findings"]
     assert (finding["xid"], finding["severity"]) == (144, "low")
+
+
+def _categories(text: str) -> list[tuple]:
+    return [(f["category"], f["severity"]) for f in explain_inputs([("t.log", text.encode())])["findings"]]
+
+
+def test_a_loss_scale_logged_as_a_value_that_falls_and_falls_is_a_collapse() -> None:
+    falling = "\n".join(f"step {i} | loss 2.1 | loss_scale : {2.0 ** (4 - i)}" for i in range(8))
+    assert _categories(falling) == [("loss_scale_collapse", "high")]  # ends below 1
+    assert _categories("\n".join(f"step {i} | loss_scale 1.0" for i in range(8))) == []  # bf16: constant
+    rising = "\n".join(f"'loss_scale': {v}" for v in (65536.0, 32768.0, 65536.0, 131072.0))
+    assert _categories(rising) == []
+    setting = "\n".join(f"| WARNING: overflow detected, setting loss scale to: {2.0 ** -i}" for i in range(5))
+    assert _categories(setting) == [("loss_scale_collapse", "high")]
+    assert _categories("| WARNING: overflow detected, setting loss scale to: 8.0") == []  # one overflow
+
+
+def test_a_loss_that_diverged_ends_its_sentence_with_nan() -> None:
+    assert _categories("ERROR:tensorflow:Model diverged with loss = NaN.") == [("loss_nan", "critical")]
+    assert _categories("epoch 3 loss = 0.5. next") == []
+
+
+def test_nccl_taking_the_process_down_is_named_alone_and_folded_beside_the_timeout() -> None:
+    down = ("[E ProcessGroupNCCL.cpp:455] Some NCCL operations have failed or timed out. Due to the asynchronous "
+            "nature of CUDA kernels, subsequent GPU operations might run on corrupted/incomplete data.")
+    assert [c for c, _ in _categories(down)] == ["nccl_error"]
+    timeout = ("[E ProcessGroupNCCL.cpp:828] [Rank 1] Watchdog caught collective operation timeout: WorkNCCL("
+               "SeqNum=7, OpType=BROADCAST, Timeout(ms)=1800000) ran for 1800764 milliseconds before timing out.")
+    assert [c for c, _ in _categories(timeout + "\n" + down)] == ["collective_timeout"]
+
+
+def test_the_nccl_watchdogs_frames_name_a_timeout_whose_message_was_cut() -> None:
+    frames = ("frame #1: c10d::ProcessGroupNCCL::WorkNCCL::checkTimeout(std::optional<std::chrono::duration<long, "
+              "std::ratio<1l, 1000l> > >) + 0x1d2 (0x1554e9e0f8f2 in /x/torch/lib/libtorch_cuda.so)\n"
+              "frame #2: c10d::ProcessGroupNCCL::watchdogHandler() + 0x233 (0x1554e9e16333 in /x/libtorch_cuda.so)")
+    assert [c for c, _ in _categories(frames)] == ["collective_timeout"]
+
+
+def test_a_child_failed_summary_whose_line_breaks_were_lost() -> None:
+    text = "rank5 (local rank: 1)exitcode: -9 (pid: 36071)error file: <N/A>"
+    (f,) = explain_inputs([("t.log", text.encode())])["findings"]
+    assert (f["category"], f["rank"], f["exit_code"], f["signal"]) == ("child_failed", 5, -9, "SIGKILL")

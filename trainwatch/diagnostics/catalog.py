@@ -264,6 +264,9 @@ PATTERNS: tuple[Pattern, ...] = (
             # Python-only dumps show where the wait was entered: a value turned into a device
             # tensor or read back from one (Lightning's self.log, .item(), .tolist()).
             *_any(FrameRule(function=r"^(?:_+to_tensor|to_tensor|item|tolist)$"), innermost_python=True),
+            # JAX: an array's value read back to the host (float(x), np.asarray(x), jax.device_get).
+            *_any(FrameRule(function=r"^(?:_value|__float__|__int__|__array__|block_until_ready|device_get)$",
+                            file=r"(?:^|/)jax/_src/"), innermost_python=True),
         ),
         meaning="The CPU waits for queued GPU work to finish (a synchronize, or a copy of a result "
                 "to the CPU). When that work is a NCCL kernel waiting for a peer, or the GPU is "

@@ -43,7 +43,8 @@ class FrameRule:
 # Files of torch.distributed and the frameworks that wrap it; collective_ops.py uses it too.
 DIST_FILE = r"(?:^|/)(?:torch/distributed/|deepspeed/comm/|megatron/|colossalai/)|_functional_collectives"
 # Names that are collectives wherever they appear.
-_STRONG_OP = (r"(?i)(?:^|[.:])_?(?:all_?reduce|all_?gather|reduce_?scatter|all_?to_?all)\w*(?:$|\()")
+_STRONG_OP = (r"(?i)(?:^|[.:])_?(?:all_?reduce|all_?gather|reduce_?scatter|all_?to_?all)\w*"
+              r"(?:$|\(|::\w+(?:$|\())")  # a function, or a method of a collective's class (AllgatherPlugin::enqueue)
 # Names that are collectives only inside torch.distributed and friends (DataParallel has a `gather` too).
 _WEAK_OP = (r"(?:^|[.:])_?(?:broadcast\w*|reduce|gather\w*|scatter\w*|send|recv|isend|irecv|"
             r"batch_isend_irecv)(?:$|\()")

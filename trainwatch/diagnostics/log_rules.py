@@ -255,6 +255,11 @@ def _elastic_failed(m: re.Match[str]) -> dict:
     }
 
 
+def _elastic_squashed(m: re.Match[str]) -> dict:
+    """A ChildFailedError entry on one line: the agent's facts and the global rank it names."""
+    return _elastic_failed(m) | {"rank": int(m.group("rank"))}
+
+
 def _spawn_exited(m: re.Match[str]) -> dict:
     """torch.multiprocessing.spawn's "process 1 terminated with signal SIGSEGV" / "... with exit code 1"."""
     exit_code = _int(m.group("exit"))
@@ -421,6 +426,14 @@ RULES: tuple[LineRule, ...] = (
         r"\.cu[h]?:\d{1,9}:.{0,200}?Assertion\s*`(?P<cond>[^`]{1,200})`\s*failed"), _device_assert, family="cuda"),
     LineRule("cuda-async-hint", "asynchronously", "cuda_error", re.compile(
         _words("CUDA kernel errors might be asynchronously reported")), _nothing, role="hint"),
+    # The frames of the exception the NCCL watchdog raises for a timed-out work, where the
+    # message line itself was cut from the paste.
+    LineRule("nccl-checktimeout-frame", "checktimeout", "collective_timeout", re.compile(
+        r"ProcessGroupNCCL::WorkNCCL::checkTimeout"), _nothing),
+    # ProcessGroupNCCL taking the process down after a failed or timed-out collective; alone it is
+    # the only word of the failure, beside the timeout or error line it only repeats it.
+    LineRule("nccl-ops-failed", "nccl operations", "nccl_error", re.compile(
+        _words("Some NCCL operations have failed or timed out")), _nothing, role="hint"),
     # -- memory --------------------------------------------------------------------
     LineRule("cuda-oom", "memory", "oom", re.compile(
         r"OutOfMemoryError\s*:\s*(?=\S)|CUDA\s*out\s*of\s*memory\."), _oom),
@@ -428,6 +441,11 @@ RULES: tuple[LineRule, ...] = (
     LineRule("elastic-failed", "exitcode", "child_failed", re.compile(
         r"failed\s*\(exitcode:\s*(?P<exit>-?\d+)\)\s*local_rank:\s*(?P<local>\d+)\s*\(pid:\s*(?P<pid>\d+)\)"),
         _elastic_failed),
+    # A ChildFailedError summary whose line breaks were lost in the paste:
+    # "rank2 (local rank: 2)exitcode: -9 (pid: 36071)error file: <N/A>".
+    LineRule("elastic-summary-squashed", "exitcode", "child_failed", re.compile(
+        r"(?i)\brank\s*:?\s*(?P<rank>\d{1,9})\s*\(local[_ ]rank:\s*(?P<local>\d{1,9})\)\s*"
+        r"exitcode\s*:\s*(?P<exit>-?\d{1,12})\s*\(pid:\s*(?P<pid>\d{1,12})\)"), _elastic_squashed),
     LineRule("spawn-exited", "terminated", "child_failed", re.compile(
         r"\bprocess\s*(?P<local>\d{1,6})\s*terminated\s*with\s*(?:signal\s*(?P<sig>SIG[A-Z]{2,6})"
         r"|exit\s*code\s*(?P<exit>-?\d{1,4}))"), _spawn_exited),
@@ -446,7 +464,8 @@ RULES: tuple[LineRule, ...] = (
 _ANCHOR_WORDS = (
     "watchdog", "heartbeat", "signal", "timeout", "timed out", "collective", "enqueued", "either an",
     "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
-    "nccl warn", "mismatch", "assertion", "terminated with", "subset of ranks",
+    "nccl warn", "mismatch", "assertion", "terminated with", "subset of ranks", "nccl operations",
+    "checktimeout",
 )
 
 

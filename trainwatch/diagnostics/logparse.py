@@ -130,7 +130,7 @@ def _line_findings(lines: list[str]) -> list[dict]:
             if finding["ranks"]:
                 # The message names the ranks it is about; the rank that printed it is a detail.
                 finding["reported_by"] = line_rank(line)
-            else:
+            elif "rank" not in facts:  # else the message names the rank it is about
                 finding["rank"] = line_rank(line)
             pg = line_pg(line)
             if pg is not None:
@@ -270,12 +270,16 @@ def merge_events(findings: list[dict]) -> list[dict]:
     return [m for m in merged if m.get("_role", "finding") != "support"]
 
 
+_HINT_SPECIFIC = {"cuda_error": frozenset({"cuda_error", "illegal_memory_access", "ecc", "oom"})}
+"""Hint category -> the findings that make it redundant; any other finding where not listed."""
+
+
 def _drop_hints(findings: list[dict]) -> list[dict]:
-    """Drop the bare "CUDA kernel errors might be asynchronously reported" finding
-    when the text names the CUDA error itself."""
-    specific = {"cuda_error", "illegal_memory_access", "ecc", "oom"}
-    has_specific = any(f["category"] in specific and f.get("_role") != "hint" for f in findings)
-    return [f for f in findings if not (f.get("_role") == "hint" and has_specific)]
+    """Drop a bare hint ("CUDA kernel errors might be asynchronously reported", "Some
+    NCCL operations have failed or timed out") when the text names the failure itself."""
+    named = [f["category"] for f in findings if f.get("_role") != "hint"]
+    return [f for f in findings if not (f.get("_role") == "hint" and any(
+        c in _HINT_SPECIFIC.get(f["category"], c) for c in named))]
 
 
 def _points(raw: list[dict], events: list[dict]) -> list[dict]:

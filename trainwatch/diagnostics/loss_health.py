@@ -42,12 +42,14 @@ MIN_FALLS = 2
 _MAX_EVIDENCE_LINES = 3
 
 _NUM = r"(?P<value>[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?))"
+_END = r"(?!\w|\.\w)"
+"""After a value: not more of a word or number; a full stop ending the sentence is fine."""
 # "grad norm: nan", "grad_norm: nan", "'grad_norm': nan", "grad_norm=nan", "grad-norm nan"
-_GRAD_NORM = re.compile(r"(?i)\bgrad[\s_-]?norm['\"]?\s*[:=]?\s*" + _NUM + r"(?![\w.])")
+_GRAD_NORM = re.compile(r"(?i)\bgrad[\s_-]?norm['\"]?\s*[:=]?\s*" + _NUM + _END)
 # "loss: nan", "'loss': nan", "lm loss: nan", "loss=nan", "train_loss: nan", a loss term ("loss_net: nan"),
 # a table cell ("| loss | nan |") or a bare pair ("Loss nan   LearningRate"); never the loss scale.
 _LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train[_ ]|total[_ ])?loss(?!_?scal)(?:_[a-z0-9]{1,20})?['\"]?"
-                   r"(?:\s*[:=|]\s*|\s+)" + _NUM + r"(?![\w.])")
+                   r"(?:\s*[:=|]\s*|\s+)" + _NUM + _END)
 _ABORT_NAN = re.compile(
     r"(?i)(?:Rank\s*(?P<rank>\d{1,9})\s*:\s*)?found\s*(?:NaN|Inf)\s*in\s*local\s*grad\s*norm"
     r"|Bad\s*grad_?norm\s*detected\s*\(grad_?norm\s*=\s*nan\)"
@@ -56,8 +58,13 @@ _ABORT_NAN = re.compile(
 _DS_OVERFLOW = re.compile(
     r"OVERFLOW!\s*Rank\s*(?P<rank>\d{1,9})\s*Skipping\s*step\.\s*Attempted\s*loss\s*scale:\s*"
     r"(?P<before>[\d.eE+]+)\s*,\s*reducing\s*to\s*(?P<after>[\d.eE+]+)")
-# apex amp / fairseq: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 512.0"
-_APEX_OVERFLOW = re.compile(r"(?i)reducing\s*loss\s*scale\s*to\s*(?P<after>[\d.eE+]+)")
+# apex amp: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 512.0";
+# fairseq: "| WARNING: overflow detected, setting loss scale to: 0.25"
+_APEX_OVERFLOW = re.compile(r"(?i)(?:reducing|overflow\s*detected,\s*setting)\s*loss\s*scale\s*to:?\s*"
+                            r"(?P<after>\d[\d.eE+-]*)")
+# The scale as a logged value, step after step: "loss_scale : 3.7e-09", "| loss_scale 0.500 |",
+# "'loss_scale': 1024.0": a series that falls and falls is the same collapse.
+_SCALE_VALUE = re.compile(r"(?i)\bloss[\s_-]?scale['\"]?\s*[:=|]?\s*(?P<value>\d[\d.]*(?:[eE][-+]?\d+)?)" + _END)
 _SCALE_MINIMUM = re.compile(r"(?i)(?:current\s*)?loss\s*scale\s*already\s*at\s*minimum|"
                             r"minimum\s*loss\s*scale\s*reached")
 _RANK_PREFIX = re.compile(r"\[rank(\d{1,9})\]")
@@ -78,12 +85,15 @@ def _evidence(lines: list[str]) -> str:
 
 
 def _series(lines: list[str]) -> tuple[list[tuple[float, str]], list[tuple[str, str, int | None]],
-                                       list[tuple[float, float | None, str, int | None]], list[str]]:
-    """(metric values, abort lines, scale reductions, scale-at-minimum lines), in log order."""
+                                       list[tuple[float, float | None, str, int | None]], list[str], bool]:
+    """(metric values, abort lines, scale reductions, scale-at-minimum lines, whether the
+    reductions are only read from logged scale values), in log order."""
     metrics: list[tuple[float, str]] = []
     aborts: list[tuple[str, str, int | None]] = []
     reductions: list[tuple[float, float | None, str, int | None]] = []
     minimum: list[str] = []
+    printed: list[tuple[float, str]] = []  # the loss scale logged as a value
+    falls: list[tuple[float, float | None, str, int | None]] = []  # ... and where it fell
     for line in lines:
         lower = line.lower()
         if not any(needle in lower for needle in _NEEDLES):
@@ -98,13 +108,18 @@ def _series(lines: list[str]) -> tuple[list[tuple[float, str]], list[tuple[str, 
                                int(m.group("rank"))))
         elif m := _APEX_OVERFLOW.search(line):
             reductions.append((_value(m.group("after")) or 0.0, None, line, line_rank))
+        elif (m := _SCALE_VALUE.search(line)) and (scale := _value(m.group("value"))) is not None:
+            if printed and scale < printed[-1][0]:
+                falls.append((scale, printed[-1][0], line, line_rank))
+            printed.append((scale, line))
         if _SCALE_MINIMUM.search(line):
             minimum.append(line)
         # One value per line: a line with both prints the grad norm next to the loss it came from.
         m = _GRAD_NORM.search(line) or _LOSS.search(line)
         if m and (value := _value(m.group("value"))) is not None:
             metrics.append((value, line))
-    return metrics, aborts, reductions, minimum
+    # A scaler that says when it reduces the scale says it best; else the logged values tell.
+    return metrics, aborts, reductions or falls, minimum, not reductions and bool(falls)
 
 
 def _nan_findings(metrics: list[tuple[float, str]], aborts: list[tuple[str, str, int | None]]) -> list[dict]:
@@ -156,8 +171,12 @@ def _scale_findings(reductions: list[tuple[float, float | None, str, int | None]
 
 def loss_health_findings(lines: list[str]) -> list[dict]:
     """loss_nan and loss_scale_collapse findings (kind "error") read from log lines."""
-    metrics, aborts, reductions, minimum = _series(lines)
-    findings = _nan_findings(metrics, aborts) + _scale_findings(reductions, minimum)
+    metrics, aborts, reductions, minimum, logged_only = _series(lines)
+    nan = _nan_findings(metrics, aborts)
+    if nan and nan[0]["severity"] != "low" and logged_only:
+        # The logged scale falls beside a loss gone non-finite: the scaler reacting to it, one story.
+        reductions = []
+    findings = nan + _scale_findings(reductions, minimum)
     for finding in findings:
         finding["_role"] = "finding"
     return findings
