@@ -772,3 +772,31 @@ def test_a_child_failed_summary_whose_line_breaks_were_lost() -> None:
     text = "rank5 (local rank: 1)exitcode: -9 (pid: 36071)error file: <N/A>"
     (f,) = explain_inputs([("t.log", text.encode())])["findings"]
     assert (f["category"], f["rank"], f["exit_code"], f["signal"]) == ("child_failed", 5, -9, "SIGKILL")
+
+
+def test_driver_and_cublas_error_names_as_other_frameworks_print_them() -> None:
+    tf = ("E tensorflow/stream_executor/cuda/cuda_driver.cc:1035] could not synchronize on CUDA context: "
+          "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure ::")
+    assert [c for c, _ in _categories(tf)] == ["cuda_error"]
+    assert [c for c, _ in _categories("failed to alloc: CUDA_ERROR_OUT_OF_MEMORY: out of memory")] == ["oom"]
+    blas = "E cuda_blas.cc:652] failed to run cuBLAS routine cublasSgemm_v2: CUBLAS_STATUS_EXECUTION_FAILED"
+    assert [c for c, _ in _categories(blas)] == ["cuda_error"]
+    assert _categories("cublas handle created: CUBLAS_STATUS_SUCCESS") == []
+
+
+def test_nccl_failures_in_other_words() -> None:
+    xgb = "device_helpers.cuh:135: NCCL failure :remote process exited or there was a network error"
+    assert [c for c, _ in _categories(xgb)] == ["nccl_error"]
+    warn = "host:1:2 [0] include/socket.h:403 NCCL WARN Connect to 10.0.0.2<57335> failed : Network is unreachable"
+    assert [c for c, _ in _categories(warn)] == ["nccl_error"]
+
+
+def test_a_launcher_reporting_a_killed_worker() -> None:
+    text = "[ERROR] [launch.py:320:sigkill_handler] ['/bin/python', '-u', 'train.py'] exits with return code = -9"
+    (f,) = explain_inputs([("t.log", text.encode())])["findings"]
+    assert (f["category"], f["exit_code"], f["signal"]) == ("child_failed", -9, "SIGKILL")
+
+
+def test_a_loss_logged_as_bare_step_value_pairs_turns_nan() -> None:
+    text = "76960 2.735384\n76970 2.6265104\n76980 nan\n76990 nan\nSaving the model"
+    assert _categories(text) == [("loss_nan", "critical")]

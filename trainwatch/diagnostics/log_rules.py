@@ -255,6 +255,12 @@ def _elastic_failed(m: re.Match[str]) -> dict:
     }
 
 
+def _launcher_exit(m: re.Match[str]) -> dict:
+    """A launcher's word that a worker exited with a code (a negative one is the signal)."""
+    exit_code = int(m.group("exit"))
+    return {"exit_code": exit_code, "signal": signal_name(-exit_code) if exit_code < 0 else None}
+
+
 def _elastic_squashed(m: re.Match[str]) -> dict:
     """A ChildFailedError entry on one line: the agent's facts and the global rank it names."""
     return _elastic_failed(m) | {"rank": int(m.group("rank"))}
@@ -372,7 +378,7 @@ RULES: tuple[LineRule, ...] = (
         + r"\s*NCCL\s*error\s*:\s*" + _NCCL_DESC),
         _nccl_async, family="nccl-text"),
     LineRule("nccl-error-in", "nccl", "nccl_error", re.compile(
-        r"NCCL\s*error\s*(?:in\s*:\s*[^,\s]+\s*,|:)\s*" + _NCCL_DESC), _nccl_line, family="nccl-text"),
+        r"NCCL\s*(?:error|failure)\s*(?:in\s*:\s*[^,\s]+\s*,|:)\s*" + _NCCL_DESC), _nccl_line, family="nccl-text"),
     # Other frameworks name the NCCL call that failed: "ncclCommInitRank failed: unhandled system error".
     LineRule("nccl-call-failed", "nccl", "nccl_error", re.compile(
         r"\bnccl[A-Z]\w{2,40}\s*failed\s*:\s*(?:nccl[A-Z]\w{2,40}\s*failed\s*:\s*)?" + _NCCL_DESC),
@@ -381,7 +387,7 @@ RULES: tuple[LineRule, ...] = (
     # line may follow (the process that printed them is killed first).
     LineRule("nccl-warn-peer-lost", "warn", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*(?P<msg>.*?(?:Connection\s*closed\s*by\s*remote\s*peer|Connection\s*reset\s*by\s*peer"
-        r"|Broken\s*pipe|Got\s*completion\s*(?:from\s*peer\s*\S+\s*)?with\s*(?:error|status)\s*=?\s*\d+).*)"),
+        r"|Broken\s*pipe|Network\s*is\s*unreachable|No\s*route\s*to\s*host|Connection\s*refused|Got\s*completion\s*(?:from\s*peer\s*\S+\s*)?with\s*(?:error|status)\s*=?\s*\d+).*)"),
         nccl_peer_lost),
     LineRule("nccl-warn-retcode", "retcode", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*\[[^\]]*\]\s*Failed\s*to\s*execute\s*operation\s*(?P<oper>\w+)\s*from\s*rank\s*"
@@ -420,6 +426,14 @@ RULES: tuple[LineRule, ...] = (
         r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
         r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),
         _cuda_message, family="cuda"),
+    # The driver's and cuBLAS's own error names, as TensorFlow, JAX and C++ code print them:
+    # "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED".
+    LineRule("cuda-driver-oom", "cuda_error", "oom", re.compile(r"\bCUDA_ERROR_OUT_OF_MEMORY\b"),
+             _nothing, family="cuda"),
+    LineRule("cuda-driver-error", "cuda_error", "cuda_error", re.compile(
+        r"\b(?P<msg>CUDA_ERROR_[A-Z_]{3,40})\b"), _cuda_message, family="cuda"),
+    LineRule("cublas-error", "cublas_status", "cuda_error", re.compile(
+        r"\b(?P<msg>CUBLAS_STATUS_(?!SUCCESS)[A-Z_]{3,40})\b"), _cuda_message, family="cuda"),
     # A kernel's assert, printed per thread before "CUDA error: device-side assert triggered":
     # ".../Indexing.cu:1231: indexSelectSmallIndex: block: [31,0,0], thread: [116,0,0] Assertion `x` failed."
     LineRule("cuda-device-assert", "assertion", "cuda_error", re.compile(
@@ -441,6 +455,9 @@ RULES: tuple[LineRule, ...] = (
     LineRule("elastic-failed", "exitcode", "child_failed", re.compile(
         r"failed\s*\(exitcode:\s*(?P<exit>-?\d+)\)\s*local_rank:\s*(?P<local>\d+)\s*\(pid:\s*(?P<pid>\d+)\)"),
         _elastic_failed),
+    # DeepSpeed's launcher: "[launch.py:320:sigkill_handler] ['python', ...] exits with return code = -9".
+    LineRule("deepspeed-launcher-exit", "return code", "child_failed", re.compile(
+        r"\]\s*exits\s*with\s*return\s*code\s*=\s*(?P<exit>-?\d{1,4})"), _launcher_exit),
     # A ChildFailedError summary whose line breaks were lost in the paste:
     # "rank2 (local rank: 2)exitcode: -9 (pid: 36071)error file: <N/A>".
     LineRule("elastic-summary-squashed", "exitcode", "child_failed", re.compile(
@@ -465,7 +482,7 @@ _ANCHOR_WORDS = (
     "watchdog", "heartbeat", "signal", "timeout", "timed out", "collective", "enqueued", "either an",
     "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
     "nccl warn", "mismatch", "assertion", "terminated with", "subset of ranks", "nccl operations",
-    "checktimeout",
+    "checktimeout", "cublas_status", "return code", "nccl failure",
 )
 
 

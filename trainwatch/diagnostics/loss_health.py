@@ -67,6 +67,8 @@ _APEX_OVERFLOW = re.compile(r"(?i)(?:reducing|overflow\s*detected,\s*setting)\s*
 _SCALE_VALUE = re.compile(r"(?i)\bloss[\s_-]?scale['\"]?\s*[:=|]?\s*(?P<value>\d[\d.]*(?:[eE][-+]?\d+)?)" + _END)
 _SCALE_MINIMUM = re.compile(r"(?i)(?:current\s*)?loss\s*scale\s*already\s*at\s*minimum|"
                             r"minimum\s*loss\s*scale\s*reached")
+# A bare "step value" pair, the whole line ("76980 nan"): a loss logged with no name at all.
+_BARE_PAIR = re.compile(r"(?i)^\s*\d{1,12}\s+" + _NUM + r"\s*$")
 _RANK_PREFIX = re.compile(r"\[rank(\d{1,9})\]")
 _NEEDLES = ("nan", "inf", "loss", "norm", "overflow")
 
@@ -115,7 +117,7 @@ def _series(lines: list[str]) -> tuple[list[tuple[float, str]], list[tuple[str, 
         if _SCALE_MINIMUM.search(line):
             minimum.append(line)
         # One value per line: a line with both prints the grad norm next to the loss it came from.
-        m = _GRAD_NORM.search(line) or _LOSS.search(line)
+        m = _GRAD_NORM.search(line) or _LOSS.search(line) or _BARE_PAIR.match(line)
         if m and (value := _value(m.group("value"))) is not None:
             metrics.append((value, line))
     # A scaler that says when it reduces the scale says it best; else the logged values tell.
