@@ -13,11 +13,24 @@ facts; nothing is inferred from defaults or typical values.
 from __future__ import annotations
 
 import re
-import signal as _signal
 from dataclasses import dataclass
 from typing import Callable
 
 from trainwatch.diagnostics.desync_reports import FINGERPRINT_MISMATCH, fingerprint_facts
+from trainwatch.diagnostics.process_facts import (
+    bus_error,
+    cuda_message,
+    dataloader_facts,
+    device_assert,
+    elastic_failed,
+    elastic_squashed,
+    launcher_exit,
+    old_cuda_message,
+    oom_facts,
+    signal_name,
+    spawn_exited,
+    to_bytes,
+)
 from trainwatch.diagnostics.nccl_facts import nccl_mismatch_rank, nccl_peer_lost, nccl_retcode, nccl_size_mismatch
 
 # NCCL's one-line descriptions (ncclGetErrorString) -> the ncclResult_t name.
@@ -30,22 +43,6 @@ NCCL_DESCRIPTIONS = {
     "invalid argument": "ncclInvalidArgument",
 }
 
-# strsignal() texts that Python prints for a killed worker -> signal names.
-SIGNAL_TEXTS = {
-    "killed": "SIGKILL",
-    "terminated": "SIGTERM",
-    "aborted": "SIGABRT",
-    "segmentation fault": "SIGSEGV",
-    "bus error": "SIGBUS",
-    "interrupt": "SIGINT",
-    "floating point exception": "SIGFPE",
-    "illegal instruction": "SIGILL",
-}
-
-_UNITS = {"b": 1, "bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
 def _words(phrase: str) -> str:
     """Regex for a phrase whose spaces may be lost or doubled.
 
@@ -55,7 +52,6 @@ def _words(phrase: str) -> str:
     return r"\s*".join(re.escape(word) for word in phrase.split())
 
 
-_SIZE = r"[\d.]+\s*(?:[KMGT]i?B|bytes|B)"
 _INT = r"-?\d+"
 _WORK = r"WorkNCCL\s*\((?P<body>(?:[^()]|\(\s*ms\s*\))*)\)"
 # "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.18.1"
@@ -180,113 +176,9 @@ def _nccl_code(m: re.Match[str]) -> dict:
     return {"nccl_code": m.group("code")}
 
 
-def _device_assert(m: re.Match[str]) -> dict:
-    """A CUDA kernel's assert: what torch reports as "device-side assert triggered"."""
-    return {"cuda_message": "device-side assert triggered", "assertion": m.group("cond").strip()}
-
-
 def _nothing(m: re.Match[str]) -> dict:
     """A message whose only fact is its category."""
     return {}
-
-
-def _cuda_message(m: re.Match[str]) -> dict:
-    """The text after "CUDA error:", without the hints torch appends."""
-    message = m.group("msg").strip().rstrip(".").strip()
-    return {"cuda_message": message} if message else {}
-
-
-_SOURCE_LOCATION = re.compile(r"\S+:\d{1,9}")
-
-
-def _old_cuda_message(m: re.Match[str]) -> dict:
-    """The message of a pre-1.5 CUDA error, without the " at FILE:LINE" torch appended
-    (split off by hand: a regex anchored at the end rescans long runs of spaces)."""
-    message = m.group("msg").strip()
-    head, sep, tail = message.rpartition(" at ")
-    if sep and _SOURCE_LOCATION.fullmatch(tail.strip()):
-        message = head.strip()
-    return {"cuda_message": message} if message else {}
-
-
-def to_bytes(size: str) -> int | None:
-    """'2.00 GiB' -> 2147483648; None when the unit is unknown."""
-    m = re.fullmatch(r"(\d{0,30}(?:\.\d{0,30})?)\s*([A-Za-z]+)", size.strip())
-    if not m or not m.group(1).strip(".") or m.group(2).lower() not in _UNITS:
-        return None
-    return round(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-_OOM_DETAILS = (
-    re.compile(r"Tried\s*to\s*allocate\s*(?P<requested>" + _SIZE + ")"),
-    # torch >= 2.1: "GPU 0 has a total capacity of 79.15 GiB of which 1.23 GiB is free"
-    # (2.1 spelled it "capacty").
-    re.compile(r"GPU\s*(?P<gpu>\d+)\s*has\s*a\s*total\s*capac(?:i)?ty\s*of\s*(?P<total>" + _SIZE
-               + r")\s*of\s*which\s*(?P<free>" + _SIZE + r")\s*is\s*free"),
-    # torch < 2.1: "(GPU 0; 14.76 GiB total capacity; 8.77 GiB already allocated; 19.75 MiB free; ...)"
-    re.compile(r"\(GPU\s*(?P<gpu>\d+);\s*(?P<total>" + _SIZE + r")\s*total\s*capacity;\s*"
-               r"(?P<allocated>" + _SIZE + r")\s*already\s*allocated;\s*(?P<free>" + _SIZE + r")\s*free"),
-)
-
-
-def _oom(m: re.Match[str]) -> dict:
-    """Requested / total / free bytes and the GPU index of a CUDA OOM message."""
-    facts: dict = {}
-    line = m.string[m.start():]
-    for detail in _OOM_DETAILS:
-        found = detail.search(line)
-        if not found:
-            continue
-        for key, value in found.groupdict().items():
-            if value is None:
-                continue
-            facts["gpu" if key == "gpu" else f"{key}_bytes"] = int(value) if key == "gpu" else to_bytes(value)
-    return facts
-
-
-def _elastic_failed(m: re.Match[str]) -> dict:
-    """Facts of the agent's "failed (exitcode: -9) local_rank: 3 (pid: 1234)" line."""
-    exit_code = int(m.group("exit"))
-    return {
-        "exit_code": exit_code,
-        "signal": signal_name(-exit_code) if exit_code < 0 else None,
-        "local_rank": int(m.group("local")),
-        "pid": int(m.group("pid")),
-    }
-
-
-def _launcher_exit(m: re.Match[str]) -> dict:
-    """A launcher's word that a worker exited with a code (a negative one is the signal)."""
-    exit_code = int(m.group("exit"))
-    return {"exit_code": exit_code, "signal": signal_name(-exit_code) if exit_code < 0 else None}
-
-
-def _elastic_squashed(m: re.Match[str]) -> dict:
-    """A ChildFailedError entry on one line: the agent's facts and the global rank it names."""
-    return _elastic_failed(m) | {"rank": int(m.group("rank"))}
-
-
-def _spawn_exited(m: re.Match[str]) -> dict:
-    """torch.multiprocessing.spawn's "process 1 terminated with signal SIGSEGV" / "... with exit code 1"."""
-    exit_code = _int(m.group("exit"))
-    return {"exit_code": exit_code, "signal": m.group("sig") or (signal_name(-exit_code) if exit_code and exit_code < 0
-                                                                   else None), "local_rank": int(m.group("local"))}
-
-
-def _dataloader(m: re.Match[str]) -> dict:
-    """Facts of a "DataLoader worker (pid N) is killed by signal: Killed." line."""
-    pids = [int(p) for p in re.findall(r"\d+", m.group("pids") or "")]
-    facts: dict = {"pids": pids or None}
-    if m.group("sig") is not None:
-        facts["signal"] = SIGNAL_TEXTS.get(m.group("sig").strip().lower())
-    if m.group("exit") is not None:
-        facts["exit_code"] = int(m.group("exit"))
-    return facts
-
-
-def _bus_error(m: re.Match[str]) -> dict:
-    """torch names SIGBUS in a worker when /dev/shm runs out."""
-    return {"signal": "SIGBUS"}
 
 
 def _gloo_timeout(m: re.Match[str]) -> dict:
@@ -298,14 +190,6 @@ def _gloo_peer(m: re.Match[str]) -> dict:
     """Facts of gloo's "Connection closed by peer [host]:port" line."""
     peer = m.group("peer1") or m.group("peer2")
     return {"transport": "gloo", "peer": peer}
-
-
-def signal_name(number: int) -> str | None:
-    """9 -> 'SIGKILL'; None for numbers this platform does not know."""
-    try:
-        return _signal.Signals(number).name
-    except ValueError:
-        return None
 
 
 # The one table of message forms. Order matters inside a family only.
@@ -415,29 +299,29 @@ RULES: tuple[LineRule, ...] = (
         r"\s*:\s*out\s*of\s*memory"), _nothing, family="cuda"),
     LineRule("cuda-runtime-error", "cuda", "cuda_error", re.compile(
         r"(?i)(?:THCudaCheck\s*FAIL\s*file=\S+\s*line=\d+\s*error=\d+|cuda\s*runtime\s*error\s*\(\d+\))"
-        r"\s*:\s*(?P<msg>\S.*)"), _old_cuda_message, family="cuda"),
+        r"\s*:\s*(?P<msg>\S.*)"), old_cuda_message, family="cuda"),
     # NCCL_DEBUG=WARN: "enqueue.cc:1556 NCCL WARN Cuda failure 700 'an illegal memory access was
     # encountered'" (the specific CUDA rules above read the quoted text first).
     LineRule("nccl-cuda-failure-oom", "failure", "oom", re.compile(
         r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'out of memory'"), _nothing, family="cuda"),
     LineRule("nccl-cuda-failure", "failure", "cuda_error", re.compile(
-        r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'(?P<msg>[^']{1,200})'"), _cuda_message, family="cuda"),
+        r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'(?P<msg>[^']{1,200})'"), cuda_message, family="cuda"),
     LineRule("cuda-error", "cuda", "cuda_error", re.compile(
         r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
         r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),
-        _cuda_message, family="cuda"),
+        cuda_message, family="cuda"),
     # The driver's and cuBLAS's own error names, as TensorFlow, JAX and C++ code print them:
     # "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED".
     LineRule("cuda-driver-oom", "cuda_error", "oom", re.compile(r"\bCUDA_ERROR_OUT_OF_MEMORY\b"),
              _nothing, family="cuda"),
     LineRule("cuda-driver-error", "cuda_error", "cuda_error", re.compile(
-        r"\b(?P<msg>CUDA_ERROR_[A-Z_]{3,40})\b"), _cuda_message, family="cuda"),
+        r"\b(?P<msg>CUDA_ERROR_[A-Z_]{3,40})\b"), cuda_message, family="cuda"),
     LineRule("cublas-error", "cublas_status", "cuda_error", re.compile(
-        r"\b(?P<msg>CUBLAS_STATUS_(?!SUCCESS)[A-Z_]{3,40})\b"), _cuda_message, family="cuda"),
+        r"\b(?P<msg>CUBLAS_STATUS_(?!SUCCESS)[A-Z_]{3,40})\b"), cuda_message, family="cuda"),
     # A kernel's assert, printed per thread before "CUDA error: device-side assert triggered":
     # ".../Indexing.cu:1231: indexSelectSmallIndex: block: [31,0,0], thread: [116,0,0] Assertion `x` failed."
     LineRule("cuda-device-assert", "assertion", "cuda_error", re.compile(
-        r"\.cu[h]?:\d{1,9}:.{0,200}?Assertion\s*`(?P<cond>[^`]{1,200})`\s*failed"), _device_assert, family="cuda"),
+        r"\.cu[h]?:\d{1,9}:.{0,200}?Assertion\s*`(?P<cond>[^`]{1,200})`\s*failed"), device_assert, family="cuda"),
     LineRule("cuda-async-hint", "asynchronously", "cuda_error", re.compile(
         _words("CUDA kernel errors might be asynchronously reported")), _nothing, role="hint"),
     # The frames of the exception the NCCL watchdog raises for a timed-out work, where the
@@ -450,28 +334,28 @@ RULES: tuple[LineRule, ...] = (
         _words("Some NCCL operations have failed or timed out")), _nothing, role="hint"),
     # -- memory --------------------------------------------------------------------
     LineRule("cuda-oom", "memory", "oom", re.compile(
-        r"OutOfMemoryError\s*:\s*(?=\S)|CUDA\s*out\s*of\s*memory\."), _oom),
+        r"OutOfMemoryError\s*:\s*(?=\S)|CUDA\s*out\s*of\s*memory\."), oom_facts),
     # -- processes -------------------------------------------------------------------
     LineRule("elastic-failed", "exitcode", "child_failed", re.compile(
         r"failed\s*\(exitcode:\s*(?P<exit>-?\d+)\)\s*local_rank:\s*(?P<local>\d+)\s*\(pid:\s*(?P<pid>\d+)\)"),
-        _elastic_failed),
+        elastic_failed),
     # DeepSpeed's launcher: "[launch.py:320:sigkill_handler] ['python', ...] exits with return code = -9".
     LineRule("deepspeed-launcher-exit", "return code", "child_failed", re.compile(
-        r"\]\s*exits\s*with\s*return\s*code\s*=\s*(?P<exit>-?\d{1,4})"), _launcher_exit),
+        r"\]\s*exits\s*with\s*return\s*code\s*=\s*(?P<exit>-?\d{1,4})"), launcher_exit),
     # A ChildFailedError summary whose line breaks were lost in the paste:
     # "rank2 (local rank: 2)exitcode: -9 (pid: 36071)error file: <N/A>".
     LineRule("elastic-summary-squashed", "exitcode", "child_failed", re.compile(
         r"(?i)\brank\s*:?\s*(?P<rank>\d{1,9})\s*\(local[_ ]rank:\s*(?P<local>\d{1,9})\)\s*"
-        r"exitcode\s*:\s*(?P<exit>-?\d{1,12})\s*\(pid:\s*(?P<pid>\d{1,12})\)"), _elastic_squashed),
+        r"exitcode\s*:\s*(?P<exit>-?\d{1,12})\s*\(pid:\s*(?P<pid>\d{1,12})\)"), elastic_squashed),
     LineRule("spawn-exited", "terminated", "child_failed", re.compile(
         r"\bprocess\s*(?P<local>\d{1,6})\s*terminated\s*with\s*(?:signal\s*(?P<sig>SIG[A-Z]{2,6})"
-        r"|exit\s*code\s*(?P<exit>-?\d{1,4}))"), _spawn_exited),
+        r"|exit\s*code\s*(?P<exit>-?\d{1,4}))"), spawn_exited),
     LineRule("dataloader-killed", "dataloader", "dataloader_worker_killed", re.compile(
         r"DataLoader\s*worker\s*(?:\(pid(?:\(s\))?\s*(?P<pids>\d[\d,\s]*)\)\s*)?"
         r"(?:is\s*killed\s*by\s*signal\s*:\s*(?P<sig>[A-Za-z ]+)|exited\s*unexpectedly"
-        r"(?:\s*with\s*exit\s*code\s*(?P<exit>-?\d+))?)"), _dataloader),
+        r"(?:\s*with\s*exit\s*code\s*(?P<exit>-?\d+))?)"), dataloader_facts),
     LineRule("dataloader-bus-error", "bus", "dataloader_worker_killed", re.compile(
-        _words("Unexpected bus error encountered in worker")), _bus_error),
+        _words("Unexpected bus error encountered in worker")), bus_error),
 )
 
 # Cheap pre-filter: a line containing none of these (lower-cased) words
