@@ -39,11 +39,8 @@ from trainwatch.diagnostics.xid import severity_rank
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explain"
 FIELDS = ("op", "rank", "xid", "severity")
 PARTS = ("dev", "retired", "heldout")
-PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 3, seen)", "heldout": "heldout (round 4)"}
-FIRST_UNSEEN_SCORE: dict[str, dict] = {
-    "heldout": {"round": 4, "texts": 40, "category_right": 32, "category_accuracy": 0.8,
-                "top1_accuracy": 0.8, "healthy_called_fault": 0, "scored_at": "c4c2208"},
-}
+PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 4, seen)", "heldout": "heldout (round 5)"}
+FIRST_UNSEEN_SCORE: dict[str, dict] = {}
 """A held-out part's score from the run before any rule was written with its misses in view: the
 honest generalisation figure. Once its misses are studied the live figures below stop measuring it."""
 EARLIER_ROUNDS = (
@@ -52,12 +49,14 @@ EARLIER_ROUNDS = (
      "top1_accuracy": 0.7234, "healthy_called_fault": 0, "scored_at": "82aea84"},
     {"round": 3, "texts": 40, "category_right": 31, "category_accuracy": 0.775,
      "top1_accuracy": 0.775, "healthy_called_fault": 0, "scored_at": "c7055c8"},
+    {"round": 4, "texts": 40, "category_right": 32, "category_accuracy": 0.8,
+     "top1_accuracy": 0.8, "healthy_called_fault": 0, "scored_at": "c4c2208"},
 )
 """First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
 corpus measured it), kept for the record."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
-"""Whether a part's misses have been looked at while writing rules. The round-4 held-out set's were
-(after its first score, see FIRST_UNSEEN_SCORE): the next round retires it and collects a fresh one."""
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
+"""Whether a part's misses have been looked at while writing rules. The round-5 held-out set's have
+not: its live figure is its generalisation figure until they are."""
 
 
 def _label(path: Path) -> dict:
