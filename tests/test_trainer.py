@@ -360,3 +360,28 @@ def test_every_rank_resumes_from_the_newest_step_any_of_them_holds(tmp_path: Pat
         name = f"step-{expected:08d}" if expected in mine else f"step-{expected:08d}-emergency-r{rank}"
         assert a["where"].endswith(name), answers
         assert (tmp_path / f"node{rank}" / Path(a["where"]).name).is_dir()
+
+
+def test_a_rank_line_reaches_the_shared_log_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks share the agent's stdout; unbuffered, print() writes text and newline apart,
+    so two ranks' lines ran together mid-line (seen in a 2-node rejoin)."""
+    from trainwatch.lines import print_line
+
+    class Chunks:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    out, err = Chunks(), Chunks()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    print_line("node n1: rank 3 had no checkpoint of step 40")
+    print_line("error: lost contact with another rank", stderr=True)
+    assert out.writes == ["node n1: rank 3 had no checkpoint of step 40\n"]
+    assert err.writes == ["error: lost contact with another rank\n"]

@@ -37,6 +37,7 @@ import weakref
 from time import monotonic as _monotonic
 
 import trainwatch
+from trainwatch.lines import print_line
 
 
 def install_zero_code(tw) -> None:
@@ -323,14 +324,14 @@ def _warn_unfired(tw) -> None:
     """An armed fault that never fired is said, never silently dropped."""
     for f in tw.faults.unfired():
         where = f":where={f.params['where']}" if "where" in f.params else ""
-        print(f"[trainwatch] rank {tw.rank}: injected fault {f.kind}{where} (step {f.step}) never fired: "
-              f"the script never reached its trigger point (fault points are DataLoader batches, backward, "
-              f"optimizer steps, dist.all_reduce calls, DDP gradient all-reduces and, for scale_collapse, "
-              f"a GradScaler)", file=sys.stderr, flush=True)
+        print_line(f"[trainwatch] rank {tw.rank}: injected fault {f.kind}{where} (step {f.step}) never fired: "
+                   f"the script never reached its trigger point (fault points are DataLoader batches, backward, "
+                   f"optimizer steps, dist.all_reduce calls, DDP gradient all-reduces and, for scale_collapse, "
+                   f"a GradScaler)", stderr=True)
     for f in tw.faults.not_replayed():
-        print(f"[trainwatch] rank {tw.rank}: injected fault {f.kind} (step {f.step}) fired before the restart and "
-              f"was not replayed: this run did not train that data window again (skipped after the non-finite "
-              f"loss, or resumed past it)", file=sys.stderr, flush=True)
+        print_line(f"[trainwatch] rank {tw.rank}: injected fault {f.kind} (step {f.step}) fired before the restart "
+                   f"and was not replayed: this run did not train that data window again (skipped after the "
+                   f"non-finite loss, or resumed past it)", stderr=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable
 
 from trainwatch import slots
+from trainwatch.lines import print_line
 
 log = logging.getLogger("trainwatch")
 
@@ -188,13 +189,12 @@ class EmergencyCheckpointer:
                     self._events[older].synchronize()
                 if not usable or nonfinite_tensors(self._buffers[older]):
                     self.refused_step = self._steps[index]
-                    print(f"[trainwatch] rank {self.tw.rank}: emergency checkpoint not written: the staged state "
-                          f"of step {self._steps[index]} holds NaN/inf ({', '.join(bad)}) and no earlier finite "
-                          "state is staged; a restart resumes from the newest finite checkpoint on disk",
-                          flush=True)
+                    print_line(f"[trainwatch] rank {self.tw.rank}: emergency checkpoint not written: the staged "
+                               f"state of step {self._steps[index]} holds NaN/inf ({', '.join(bad)}) and no earlier "
+                               "finite state is staged; a restart resumes from the newest finite checkpoint on disk")
                     return None
-                print(f"[trainwatch] rank {self.tw.rank}: the staged state of step {self._steps[index]} holds "
-                      f"NaN/inf ({', '.join(bad)}); saving step {self._steps[older]} instead", flush=True)
+                print_line(f"[trainwatch] rank {self.tw.rank}: the staged state of step {self._steps[index]} holds "
+                           f"NaN/inf ({', '.join(bad)}); saving step {self._steps[older]} instead")
                 index = older
             step = self._steps[index]
             t0 = time.monotonic()
@@ -204,11 +204,8 @@ class EmergencyCheckpointer:
             )
             self.last_written = str(path)
             self._written_step = step
-            print(
-                f"[trainwatch] rank {self.tw.rank}: emergency checkpoint of step {step} written in "
-                f"{time.monotonic() - t0:.2f}s ({reason}): {path}",
-                flush=True,
-            )
+            print_line(f"[trainwatch] rank {self.tw.rank}: emergency checkpoint of step {step} written in "
+                       f"{time.monotonic() - t0:.2f}s ({reason}): {path}")
             return str(path)
         except Exception as e:
             log.error("trainwatch: emergency checkpoint failed on rank %s: %s", self.tw.rank, e)

@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from trainwatch.lines import print_line
+
 REFORM_TIMEOUT_S = 10.0
 """How long re-forming the process group may take before the rank gives up (s)."""
 FALLBACK_WAIT_S = 60.0
@@ -161,8 +163,7 @@ class InProcessRecovery:
 
     def wait_for_restart(self, why: str) -> None:
         """Recovery failed: say so and wait (bounded) for the sidecar's process restart."""
-        print(f"[trainwatch] rank {self.rank}: in-process recovery failed ({why}); waiting for a process restart",
-              flush=True)
+        print_line(f"[trainwatch] rank {self.rank}: in-process recovery failed ({why}); waiting for a process restart")
         time.sleep(FALLBACK_WAIT_S)
         raise RecoveryFailed(why)
 

@@ -14,6 +14,7 @@ from typing import NoReturn, Sequence
 
 from trainwatch.checkpoint import CheckpointError, ensure_writable, load_checkpoint
 from trainwatch.flags import field_docs, flag
+from trainwatch.lines import print_line
 from trainwatch.trainer.config import (DEVICES, MODEL_PRESETS, NAN_POLICIES, PRECISIONS, NonFiniteLoss, TrainConfig,
                                        UsageError, resolve)
 
@@ -100,10 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         train(cfg)
     except (UsageError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print_line(f"error: {e}", stderr=True)
         return EXIT_USAGE
     except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print_line(f"error: {e}", stderr=True)
         import trainwatch
 
         # The same message at the same step after the rollback: the agent stops restarting.
@@ -115,8 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not peer_lost(e):
             raise
         line = (str(e).splitlines() or [""])[0][:160]
-        print(f"error: lost contact with another rank ({line}); the rank that failed first says why (its own "
-              "error, here or in its node's log)", file=sys.stderr, flush=True)
+        print_line(f"error: lost contact with another rank ({line}); the rank that failed first says why (its own "
+                   "error, here or in its node's log)", stderr=True)
         import trainwatch
 
         # Recorded as a lost peer: the watchdog makes this rank a victim, not a culprit.

@@ -41,6 +41,7 @@ from trainwatch import env
 from trainwatch import state as statefiles
 from trainwatch.trainer.config import MODEL_PRESETS, TrainConfig
 from trainwatch.trainer.model import GPT
+from trainwatch.lines import print_line
 
 
 @dataclass
@@ -204,9 +205,8 @@ def _receive(resume: Resume, cfg: TrainConfig, step: int, src: int, lacking: lis
         where = str(ckpt.save_checkpoint(cfg.ckpt_dir, step, state, kind="emergency", rank=rank, keep=None,
                                          world_size=dist.get_world_size()))
     node = os.environ.get(env.NODE_SCOPE) or socket.gethostname()
-    print(f"node {node}: rank {rank} had no checkpoint of step {step} (the newest the job holds; it had "
-          f"{resume.step if resume.state is not None else 'none'}); received it from rank {src}, saved as {where}",
-          flush=True)
+    print_line(f"node {node}: rank {rank} had no checkpoint of step {step} (the newest the job holds; it had "
+               f"{resume.step if resume.state is not None else 'none'}); received it from rank {src}, saved as {where}")
     return Resume(state, where, step, {**resume.available, step: where}, rollback=resume.rollback)
 
 

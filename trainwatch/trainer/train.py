@@ -39,6 +39,7 @@ from trainwatch.trainer.config import MODEL_PRESETS, NonFiniteLoss, TrainConfig,
 from trainwatch.trainer.data import get_batch, load_corpus
 from trainwatch.rank import inprocess
 from trainwatch.trainer import mfu
+from trainwatch.lines import print_line
 from trainwatch.trainer.runtime import FP8_ERROR, Runtime, check_fp8, precision_context, runtime_of, use_deterministic  # noqa: F401
 from trainwatch.trainer.model import GPT
 from trainwatch.trainer.resume import agree, checkpoint_writer, find_resume, finish_rollback, write_nonfinite_marker
@@ -406,7 +407,7 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
                                 fault_point=lambda: tw.fault_point("checkpoint"),
                             )
                         except ckpt.NonFiniteState as e:  # --nan-policy alert trains on; its NaN is never saved
-                            print(f"warning: {e}", flush=True)
+                            print_line(f"warning: {e}")
                 if step % cfg.log_interval == 0 or step == cfg.max_steps:
                     avg_s = window_s / window_n
                     line = (
@@ -434,6 +435,6 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
         except inprocess.RecoveryFailed as why:
             recovery.wait_for_restart(str(why))
         first_step = done + 1
-        print(f"[trainwatch] rank {rt.rank}: recovered in process in {time.monotonic() - t_fault:.2f} s: "
-              f"process group formed again, state of step {done} restored from memory", flush=True)
+        print_line(f"[trainwatch] rank {rt.rank}: recovered in process in {time.monotonic() - t_fault:.2f} s: "
+                   f"process group formed again, state of step {done} restored from memory")
     return TrainResult(start_step, cfg.max_steps, first_loss, final_loss, 0.0, resumed_from)
