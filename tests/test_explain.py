@@ -800,3 +800,23 @@ def test_a_launcher_reporting_a_killed_worker() -> None:
 def test_a_loss_logged_as_bare_step_value_pairs_turns_nan() -> None:
     text = "76960 2.735384\n76970 2.6265104\n76980 nan\n76990 nan\nSaving the model"
     assert _categories(text) == [("loss_nan", "critical")]
+
+
+def test_pytorchs_own_clip_grad_norm_on_a_non_finite_norm() -> None:
+    warn = ("/x/trainer.py:639: FutureWarning: Non-finite norm encountered in torch.nn.utils.clip_grad_norm_; "
+            "continuing anyway.")
+    assert _categories(warn) == [("loss_nan", "critical")]
+    raised = ("RuntimeError: The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
+              "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+              "set `error_if_nonfinite=False`")
+    assert _categories(raised) == [("loss_nan", "critical")]
+    assert _categories("clip_grad_norm_ returned 1.25") == []
+
+
+def test_an_nccl_error_with_its_number_and_a_communicator_that_never_formed() -> None:
+    numbered = "what(): NCCL Error 1: unhandled cuda error"
+    (f,) = explain_inputs([("t.log", numbered.encode())])["findings"]
+    assert (f["category"], f["nccl_code"]) == ("nccl_error", "ncclUnhandledCudaError")
+    unique_id = ("RuntimeError: [6] is setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d "
+                 "key-value store by key '0', but store->get('0') got error: Connection reset by peer")
+    assert [c for c, _ in _categories(unique_id)] == ["nccl_error"]

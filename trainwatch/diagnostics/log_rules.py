@@ -262,7 +262,14 @@ RULES: tuple[LineRule, ...] = (
         + r"\s*NCCL\s*error\s*:\s*" + _NCCL_DESC),
         _nccl_async, family="nccl-text"),
     LineRule("nccl-error-in", "nccl", "nccl_error", re.compile(
-        r"NCCL\s*(?:error|failure)\s*(?:in\s*:\s*[^,\s]+\s*,|:)\s*" + _NCCL_DESC), _nccl_line, family="nccl-text"),
+        r"NCCL\s*(?:[Ee]rror|failure)\s*(?:in\s*:\s*[^,\s]+\s*,|(?:\d{1,3}\s*)?:)\s*" + _NCCL_DESC), _nccl_line,
+        family="nccl-text"),
+    # A rank fetching the communicator's unique id from rank 0 through the store when rank 0
+    # is gone: the NCCL group never forms ("... via c10d key-value store by key '0', but
+    # store->get('0') got error: Connection reset by peer").
+    LineRule("nccl-unique-id", "nccluniqueid", "nccl_error", re.compile(
+        _words("is setting up NCCL communicator and retrieving ncclUniqueId from") + r"\s*\[(?P<peer>\d{1,9})\]"
+        + r".{0,200}?" + _words("got error:") + r"\s*(?P<why>[^.]{1,80})"), _nothing),
     # Other frameworks name the NCCL call that failed: "ncclCommInitRank failed: unhandled system error".
     LineRule("nccl-call-failed", "nccl", "nccl_error", re.compile(
         r"\bnccl[A-Z]\w{2,40}\s*failed\s*:\s*(?:nccl[A-Z]\w{2,40}\s*failed\s*:\s*)?" + _NCCL_DESC),

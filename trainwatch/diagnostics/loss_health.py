@@ -53,7 +53,11 @@ _LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train[_ ]|total[_ ])?loss(?!_?scal)(?:
 _ABORT_NAN = re.compile(
     r"(?i)(?:Rank\s*(?P<rank>\d{1,9})\s*:\s*)?found\s*(?:NaN|Inf)\s*in\s*local\s*grad\s*norm"
     r"|Bad\s*grad_?norm\s*detected\s*\(grad_?norm\s*=\s*nan\)"
-    r"|(?:loss|grad(?:ient)?[\s_]norm)\s*is\s*(?:NaN|not\s*finite)")
+    r"|(?:loss|grad(?:ient)?[\s_]norm)\s*is\s*(?:NaN|not\s*finite)"
+    # PyTorch's own clip_grad_norm_ on a non-finite total norm: the warning, and the error
+    # error_if_nonfinite=True raises instead.
+    r"|Non-finite\s*norm\s*encountered\s*in\s*torch\.nn\.utils\.clip_grad_norm_?"
+    r"|for\s*gradients\s*from\s*`?parameters`?\s*is\s*non-finite")
 # DeepSpeed: "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32"
 _DS_OVERFLOW = re.compile(
     r"OVERFLOW!\s*Rank\s*(?P<rank>\d{1,9})\s*Skipping\s*step\.\s*Attempted\s*loss\s*scale:\s*"
