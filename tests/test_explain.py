@@ -820,3 +820,43 @@ def test_an_nccl_error_with_its_number_and_a_communicator_that_never_formed() ->
     unique_id = ("RuntimeError: [6] is setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d "
                  "key-value store by key '0', but store->get('0') got error: Connection reset by peer")
     assert [c for c, _ in _categories(unique_id)] == ["nccl_error"]
+
+
+def test_cudnn_status_names_and_xla_out_of_memory() -> None:
+    assert [c for c, _ in _categories("RuntimeError: cuDNN error: CUDNN_STATUS_EXECUTION_FAILED")] == ["cuda_error"]
+    assert _categories("cudnn handle: CUDNN_STATUS_SUCCESS") == []
+    jax = ("jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+           "4770354232 bytes.")
+    assert [c for c, _ in _categories(jax)] == ["oom"]
+    tf = "ResourceExhaustedError: OOM when allocating tensor with shape[64,512,512] and type float on GPU:0"
+    assert [c for c, _ in _categories(tf)] == ["oom"]
+
+
+@pytest.mark.parametrize("line", [
+    'ERROR:torch.distributed.elastic.multiprocessing.errors.error_handler: "message": "RendezvousTimeoutError: "',
+    "TimeoutError: The client socket has timed out after 1800s while trying to connect to (127.0.0.1, 48391).",
+    "torch.distributed.DistStoreError: Timed out after 901 seconds waiting for clients. 1/2 clients joined.",
+])
+def test_a_rendezvous_or_store_that_never_formed(line: str) -> None:
+    assert [c for c, _ in _categories(line)] == ["heartbeat_timeout"]
+
+
+def test_cuda_gdb_kernel_table_shows_the_gpu_inside_a_collective() -> None:
+    table = ("(cuda-gdb) info cuda kernels\n"
+             "  Kernel Parent Dev Grid Status   SMs Mask GridDim BlockDim Invocation\n"
+             "*      0      -   0 52162520 Active 0x00000001 (1,1,1) (64,1,1) ncclReduceRingLLKernel_sum_f64()\n")
+    assert _categories(table) == [("collective_wait", "high")]
+    other = table.replace("ncclReduceRingLLKernel_sum_f64", "elementwise_kernel")
+    assert [c for c, _ in _categories(other)] != ["collective_wait"]
+
+
+def test_a_quoted_ctrl_c_traceback_stuck_in_a_projects_own_data_loader() -> None:
+    frames = ("> ^CTraceback (most recent call last):\n"
+              '>   File "/work/train.py", line 443, in run_epoch\n'
+              ">     for i, batch in enumerate(loader.iter_epoch(split, seed)):\n"
+              '>   File "/usr/lib/python3.10/dist-packages/libdf/torch_dataloader.py", line 165, in setup_queue\n'
+              ">     self.cleanup_pin_memory_thread()\n")
+    assert [c for c, _ in _categories(frames)] == ["dataloader"]
+    assert [c for c, _ in _categories(frames + "KeyboardInterrupt\n")] == ["dataloader"]
+    # The same frames ending in an error are that error's traceback, not a stall.
+    assert "dataloader" not in [c for c, _ in _categories(frames + "ValueError: bad sample\n")]

@@ -23,6 +23,7 @@ from trainwatch.diagnostics.frame_rules import (  # noqa: F401 - re-exported for
     BARRIER_RULES,
     CHECKPOINT_RULES,
     COLLECTIVE_RULES,
+    DATA_MODULE_RULE,
     DATALOADER_RULES,
     DATALOADER_WORKER_RULES,
     DIST_FILE,
@@ -209,7 +210,12 @@ PATTERNS: tuple[Pattern, ...] = (
         id="dataloader-stall",
         category="dataloader",
         title="Waiting for the next batch (DataLoader.__next__)",
-        signatures=_any(*DATALOADER_RULES),
+        signatures=(
+            *_any(*DATALOADER_RULES),
+            # A project's own data loader: the innermost Python frame there (a dump, or Ctrl-C).
+            *_any(DATA_MODULE_RULE, innermost_python=True, busy=True),
+            *_any(DATA_MODULE_RULE, innermost_python=True, exception=r"KeyboardInterrupt"),
+        ),
         meaning="The training loop waits for data: workers are slow (storage, decoding) or stuck.",
         runbook="dataloader-stall",
     ),

@@ -75,6 +75,8 @@ DATALOADER_RULES = (
               file=r"(?:^|/)torch/utils/data/dataloader\.py$"),
     FrameRule(function=r"(?:^|[.])fetch$", file=r"(?:^|/)torch/utils/data/_utils/fetch\.py$"),
 )
+DATA_MODULE_RULE = FrameRule(file=r"(?i)(?:^|/)[\w.-]*data_?loader[\w.-]*\.py$")
+"""A module named for a data loader, any project's ("torch_dataloader.py", "data_loader.py")."""
 # A DataLoader worker process (torch's and torchdata's): its main function, and a wait on
 # the multiprocessing queue that carries it indices (`index_queue.get`) inside worker code.
 _WORKER_FILE = r"(?:^|/)(?:torch/utils/data/_utils/worker\.py|torchdata/(?:\w+/)*worker\.py)$"

@@ -245,6 +245,16 @@ RULES: tuple[LineRule, ...] = (
     LineRule("watchdog-stuck", "stuck", "heartbeat_timeout", re.compile(
         r"(?i)(?:ProcessGroupNCCL'\s*s\s*)?watchdog\s*got\s*stuck\s*for\s*(?P<secs>\d+)\s*seconds"), _stuck,
         runbook="watchdog-stuck"),
+    # The rendezvous and its store, before any collective: a node or rank that never joined
+    # ("RendezvousTimeoutError"), a TCPStore client that never reached the store, a store
+    # server whose clients never came.
+    LineRule("rendezvous-timeout", "timeout", "heartbeat_timeout", re.compile(
+        r"\bRendezvousTimeoutError\b"), _nothing),
+    LineRule("store-connect-timeout", "timed out", "heartbeat_timeout", re.compile(
+        _words("The client socket has timed out after") + r"\s*(?P<secs>\d{1,9})m?s\s*"
+        + _words("while trying to connect to")), _nothing),
+    LineRule("store-clients-timeout", "timed out", "heartbeat_timeout", re.compile(
+        r"Timed\s*out\s*after\s*\d{1,9}\s*seconds\s*waiting\s*for\s*clients"), _nothing),
     # -- desynchronised ranks ----------------------------------------------------------
     LineRule("fingerprint-mismatch", "mismatch", "collective_mismatch", FINGERPRINT_MISMATCH, fingerprint_facts),
     LineRule("nccl-warn-mismatch", "mismatch", "collective_mismatch", re.compile(
@@ -323,6 +333,8 @@ RULES: tuple[LineRule, ...] = (
              _nothing, family="cuda"),
     LineRule("cuda-driver-error", "cuda_error", "cuda_error", re.compile(
         r"\b(?P<msg>CUDA_ERROR_[A-Z_]{3,40})\b"), cuda_message, family="cuda"),
+    LineRule("cudnn-error", "cudnn_status", "cuda_error", re.compile(
+        r"\b(?P<msg>CUDNN_STATUS_(?!SUCCESS)[A-Z_]{3,40})\b"), cuda_message, family="cuda"),
     LineRule("cublas-error", "cublas_status", "cuda_error", re.compile(
         r"\b(?P<msg>CUBLAS_STATUS_(?!SUCCESS)[A-Z_]{3,40})\b"), cuda_message, family="cuda"),
     # A kernel's assert, printed per thread before "CUDA error: device-side assert triggered":
@@ -342,6 +354,10 @@ RULES: tuple[LineRule, ...] = (
     # -- memory --------------------------------------------------------------------
     LineRule("cuda-oom", "memory", "oom", re.compile(
         r"OutOfMemoryError\s*:\s*(?=\S)|CUDA\s*out\s*of\s*memory\."), oom_facts),
+    # XLA (JAX, TensorFlow) on an accelerator: "RESOURCE_EXHAUSTED: Out of memory while trying to
+    # allocate 4770354232 bytes", "OOM when allocating tensor with shape[...]".
+    LineRule("xla-oom", "memory", "oom", re.compile(r"RESOURCE_EXHAUSTED\s*:\s*Out\s*of\s*memory"), _nothing),
+    LineRule("tf-oom", "oom when", "oom", re.compile(_words("OOM when allocating tensor")), _nothing),
     # -- processes -------------------------------------------------------------------
     LineRule("elastic-failed", "exitcode", "child_failed", re.compile(
         r"failed\s*\(exitcode:\s*(?P<exit>-?\d+)\)\s*local_rank:\s*(?P<local>\d+)\s*\(pid:\s*(?P<pid>\d+)\)"),
@@ -373,7 +389,7 @@ _ANCHOR_WORDS = (
     "watchdog", "heartbeat", "signal", "timeout", "timed out", "collective", "enqueued", "either an",
     "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
     "nccl warn", "mismatch", "assertion", "terminated with", "subset of ranks", "nccl operations",
-    "checktimeout", "cublas_status", "return code", "nccl failure",
+    "checktimeout", "cublas_status", "return code", "nccl failure", "cudnn_status", "oom when",
 )
 
 

@@ -122,8 +122,8 @@ _LINE_PREFIX = re.compile(
     # Ray's actor prefix "(RayWorkerWrapper pid=4009, ip=10.0.0.1) ", with or without the
     # colour codes around it (or their printable leftovers "[36m" once ESC is lost).
     r"|(?:\x1b?\[\d{1,3}m)?\([\w.:-]+ pid=\d{1,12}(?:, ip=[\w.:-]+)?\)(?:\x1b?\[0m)?\s?"
-    # a quoted paste ("> " per line)
-    r"|>\s?(?=\S)"
+    # a quoted paste ("> " per line; the quoted text keeps its own indentation)
+    r"|> ?(?=\s*\S)"
     # a host or a clock only in front of a bracketed prefix ("RuntimeError: [1] ..." keeps its name)
     r"|(?:[\w.-]+:|(?:\d{4}-\d{2}-\d{2}[T ])?\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?)\s+(?=\[[\w|.-]+\]:)"
 )
@@ -182,6 +182,12 @@ _CPP_FRAME = re.compile(
     r"^frame #\d+: (?P<func>.+?)(?: \+ 0x[0-9a-fA-F]+)? \((?:0x[0-9a-fA-F]+ in )?(?P<file>[^()]*)\)\s*$"
 )
 _LWP = re.compile(r"LWP (\d+)")
+# cuda-gdb's `info cuda kernels` table: one row per kernel on the device, the kernel's name last
+# ("*  0  -  0 52162520 Active 0x00000001 (1,1,1) (64,1,1) ncclReduceRingLLKernel_sum_f64()").
+# An active kernel is where that GPU is: a frame of a "GPU" thread.
+_CUDA_GDB_KERNEL = re.compile(
+    r"^\*?\s*\d{1,6}\s+\S+\s+\d{1,4}\s+\d{1,12}\s+Active\s+0x[0-9a-fA-F]+\s+\([\d,\s]+\)\s+\([\d,\s]+\)\s+"
+    r"(?P<func>[A-Za-z_][\w:<>~]*)\s*(?:\(.*)?$")
 
 
 def parse_stack_text(text: str) -> list[ProcessStack]:
@@ -385,6 +391,8 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
             last = thread.frames[-1]
             if not last.file:
                 thread.frames[-1] = Frame(last.function, m.group("file"), _line(m.group("line")))
+        elif m := _CUDA_GDB_KERNEL.match(line):
+            current("cudagdb").frames.append(Frame(m.group("func"), "<gpu kernel>"))
         elif m := _OLD_PYSTACK_FRAME.match(line):
             current("oldpystack").frames.append(_frame(m))
         elif thread is not None and thread.kind == "maccrash" and (m := _MAC_CRASH_FRAME.match(line)):
