@@ -48,6 +48,10 @@ _DONE = slots.PHASE_CODES["done"]
 _MAX_LISTED = 32
 _TRACK_MIN_S = 0.5
 """Ranks this long without a step are the earliest whose sequence numbers are watched (s)."""
+_SETTLE_MIN_S = 1.0
+"""The shortest settle: on a steady job whose own hang threshold leaves less than settle_s
+after its ranks are first watched, numbers unchanged this long (and re-read by settle_rounds
+sampler rounds) are compared, so the desync is called at that threshold, not settle_s after (s)."""
 _SOURCES = {
     "colls": ("py_collectives", "Python collectives on world-spanning groups"),
     "seq": ("default_pg_seq", "collectives on the default process group"),
@@ -262,7 +266,9 @@ class CollectiveMismatchDetector(Detector):
         # A steady job's ranks are parked for good well before the conservative
         # stall_s: their numbers are watched early enough to have settled by then.
         stall_s = min(cfg.stall_s, self.steady_s())
-        rows = np.nonzero(age >= min(cfg.settle_s, max(_TRACK_MIN_S, stall_s - cfg.settle_s)))[0]
+        track_s = min(cfg.settle_s, max(_TRACK_MIN_S, stall_s - cfg.settle_s))
+        settle_s = min(cfg.settle_s, max(_SETTLE_MIN_S, stall_s - track_s))
+        rows = np.nonzero(age >= track_s)[0]
         if len(rows) == 0:
             return None
         sub = t[rows]
@@ -316,7 +322,7 @@ class CollectiveMismatchDetector(Detector):
         valid = in_group & stalled[:, None]
         # Sampled at different instants, moving counters always differ a little;
         # compare only numbers that have settled.
-        valid &= (now - since >= cfg.settle_s) & (rounds >= cfg.settle_rounds) & (enq >= 0)
+        valid &= (now - since >= settle_s) & (rounds >= cfg.settle_rounds) & (enq >= 0)
         r, k = np.nonzero(valid)
         if len(r) < 2:
             return None
