@@ -860,3 +860,17 @@ def test_a_quoted_ctrl_c_traceback_stuck_in_a_projects_own_data_loader() -> None
     assert [c for c, _ in _categories(frames + "KeyboardInterrupt\n")] == ["dataloader"]
     # The same frames ending in an error are that error's traceback, not a stall.
     assert "dataloader" not in [c for c, _ in _categories(frames + "ValueError: bad sample\n")]
+
+
+def test_a_store_client_that_never_reached_the_store() -> None:
+    line = ("RuntimeError: The client socket has failed to connect to any network address of (192.168.1.219, "
+            "23456). The client socket has failed to connect to 192.168.1.219:23456 (errno: 110 - Connection "
+            "timed out).")
+    assert [c for c, _ in _categories(line)] == ["heartbeat_timeout"]
+
+
+def test_a_loss_named_in_brackets_turns_nan() -> None:
+    lines = "\n".join(f"INFO | [R0] | E{e} iter[ 14/ 15] | [Loss] {v} | [step] {e * 15}"
+                      for e, v in ((5, "51566519.44"), (6, "nan"), (7, "nan")))
+    assert _categories(lines) == [("loss_nan", "critical")]
+    assert _categories("[Loss] 0.512 | [step] 10\n[Loss] 0.498 | [step] 20") == []

@@ -253,6 +253,8 @@ RULES: tuple[LineRule, ...] = (
     LineRule("store-connect-timeout", "timed out", "heartbeat_timeout", re.compile(
         _words("The client socket has timed out after") + r"\s*(?P<secs>\d{1,9})m?s\s*"
         + _words("while trying to connect to")), _nothing),
+    LineRule("store-connect-failed", "failed to connect", "heartbeat_timeout", re.compile(
+        _words("The client socket has failed to connect to any network address of")), _nothing),
     LineRule("store-clients-timeout", "timed out", "heartbeat_timeout", re.compile(
         r"Timed\s*out\s*after\s*\d{1,9}\s*seconds\s*waiting\s*for\s*clients"), _nothing),
     # -- desynchronised ranks ----------------------------------------------------------
@@ -390,6 +392,7 @@ _ANCHOR_WORDS = (
     "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
     "nccl warn", "mismatch", "assertion", "terminated with", "subset of ranks", "nccl operations",
     "checktimeout", "cublas_status", "return code", "nccl failure", "cudnn_status", "oom when",
+    "failed to connect",
 )
 
 

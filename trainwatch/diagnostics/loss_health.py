@@ -47,8 +47,9 @@ _END = r"(?!\w|\.\w)"
 # "grad norm: nan", "grad_norm: nan", "'grad_norm': nan", "grad_norm=nan", "grad-norm nan"
 _GRAD_NORM = re.compile(r"(?i)\bgrad[\s_-]?norm['\"]?\s*[:=]?\s*" + _NUM + _END)
 # "loss: nan", "'loss': nan", "lm loss: nan", "loss=nan", "train_loss: nan", a loss term ("loss_net: nan"),
-# a table cell ("| loss | nan |") or a bare pair ("Loss nan   LearningRate"); never the loss scale.
-_LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train[_ ]|total[_ ])?loss(?!_?scal)(?:_[a-z0-9]{1,20})?['\"]?"
+# a table cell ("| loss | nan |"), a bare pair ("Loss nan   LearningRate") or a bracketed name
+# ("[Loss] nan"); never the loss scale.
+_LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train[_ ]|total[_ ])?loss(?!_?scal)(?:_[a-z0-9]{1,20})?['\"\]]?"
                    r"(?:\s*[:=|]\s*|\s+)" + _NUM + _END)
 _ABORT_NAN = re.compile(
     r"(?i)(?:Rank\s*(?P<rank>\d{1,9})\s*:\s*)?found\s*(?:NaN|Inf)\s*in\s*local\s*grad\s*norm"
