@@ -874,3 +874,18 @@ def test_a_loss_named_in_brackets_turns_nan() -> None:
                       for e, v in ((5, "51566519.44"), (6, "nan"), (7, "nan")))
     assert _categories(lines) == [("loss_nan", "critical")]
     assert _categories("[Loss] 0.512 | [step] 10\n[Loss] 0.498 | [step] 20") == []
+
+
+def test_round_8_classes_misaligned_closed_rendezvous_xla_allocation_and_overflow_monitors() -> None:
+    assert [c for c, _ in _categories("RuntimeError: CUDA error: misaligned address")] == ["illegal_memory_access"]
+    closed = '    "message": "RendezvousClosedError: ",'
+    assert [c for c, _ in _categories(closed)] == ["heartbeat_timeout"]
+    xla = ("Original error: RESOURCE_EXHAUSTED: Failed to allocate request for 176.00MiB (184549376B) on device "
+           "ordinal 0")
+    assert [c for c, _ in _categories(xla)] == ["oom"]
+    monitor = "Exception: Skipped 50 iterations in a row due to Overflow - Exiting training."
+    assert _categories(monitor) == [("loss_scale_collapse", "high")]
+    below_one = "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 0.03125, "
+    assert _categories(below_one) == [("loss_scale_collapse", "high")]
+    # One overflow that leaves a normal fp16 scale is routine dynamic loss scaling.
+    assert _categories("Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0") == []

@@ -245,11 +245,11 @@ RULES: tuple[LineRule, ...] = (
     LineRule("watchdog-stuck", "stuck", "heartbeat_timeout", re.compile(
         r"(?i)(?:ProcessGroupNCCL'\s*s\s*)?watchdog\s*got\s*stuck\s*for\s*(?P<secs>\d+)\s*seconds"), _stuck,
         runbook="watchdog-stuck"),
-    # The rendezvous and its store, before any collective: a node or rank that never joined
-    # ("RendezvousTimeoutError"), a TCPStore client that never reached the store, a store
-    # server whose clients never came.
-    LineRule("rendezvous-timeout", "timeout", "heartbeat_timeout", re.compile(
-        r"\bRendezvousTimeoutError\b"), _nothing),
+    # The rendezvous and its store, before any collective: a node or rank that never joined or
+    # a rendezvous already closed ("RendezvousTimeoutError", "RendezvousClosedError"), a TCPStore
+    # client that never reached the store, a store server whose clients never came.
+    LineRule("rendezvous-error", "rendezvous", "heartbeat_timeout", re.compile(
+        r"\bRendezvous(?:Timeout|Closed)Error\b"), _nothing),
     LineRule("store-connect-timeout", "timed out", "heartbeat_timeout", re.compile(
         _words("The client socket has timed out after") + r"\s*(?P<secs>\d{1,9})m?s\s*"
         + _words("while trying to connect to")), _nothing),
@@ -306,6 +306,9 @@ RULES: tuple[LineRule, ...] = (
     LineRule("cuda-illegal-address", "illegal", "illegal_memory_access", re.compile(
         _words("illegal memory access was encountered") + r"|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS"),
         _nothing, family="cuda"),
+    LineRule("cuda-misaligned-address", "misaligned", "illegal_memory_access", re.compile(
+        r"CUDA\s*error\s*:\s*misaligned\s*address|cudaErrorMisalignedAddress|CUDA_ERROR_MISALIGNED_ADDRESS"),
+        _nothing, family="cuda"),
     # ROCm's words for the same fault: "Memory access fault by GPU node-1 (...) on address 0x..."
     LineRule("rocm-memory-fault", "fault", "illegal_memory_access", re.compile(
         r"Memory\s*access\s*fault\s*by\s*GPU"), _nothing, family="cuda"),
@@ -358,7 +361,8 @@ RULES: tuple[LineRule, ...] = (
         r"OutOfMemoryError\s*:\s*(?=\S)|CUDA\s*out\s*of\s*memory\."), oom_facts),
     # XLA (JAX, TensorFlow) on an accelerator: "RESOURCE_EXHAUSTED: Out of memory while trying to
     # allocate 4770354232 bytes", "OOM when allocating tensor with shape[...]".
-    LineRule("xla-oom", "memory", "oom", re.compile(r"RESOURCE_EXHAUSTED\s*:\s*Out\s*of\s*memory"), _nothing),
+    LineRule("xla-oom", "resource_exhausted", "oom", re.compile(
+        r"RESOURCE_EXHAUSTED\s*:\s*(?:Out\s*of\s*memory|Failed\s*to\s*allocate)"), _nothing),
     LineRule("tf-oom", "oom when", "oom", re.compile(_words("OOM when allocating tensor")), _nothing),
     # -- processes -------------------------------------------------------------------
     LineRule("elastic-failed", "exitcode", "child_failed", re.compile(
@@ -392,7 +396,7 @@ _ANCHOR_WORDS = (
     "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
     "nccl warn", "mismatch", "assertion", "terminated with", "subset of ranks", "nccl operations",
     "checktimeout", "cublas_status", "return code", "nccl failure", "cudnn_status", "oom when",
-    "failed to connect",
+    "failed to connect", "resource_exhausted", "rendezvous",
 )
 
 

@@ -70,8 +70,11 @@ _APEX_OVERFLOW = re.compile(r"(?i)(?:reducing|overflow\s*detected,\s*setting)\s*
 # The scale as a logged value, step after step: "loss_scale : 3.7e-09", "| loss_scale 0.500 |",
 # "'loss_scale': 1024.0": a series that falls and falls is the same collapse.
 _SCALE_VALUE = re.compile(r"(?i)\bloss[\s_-]?scale['\"]?\s*[:=|]?\s*(?P<value>\d[\d.]*(?:[eE][-+]?\d+)?)" + _END)
+# The scaler's floor, or an overflow monitor giving up ("Skipped 50 iterations in a row due to
+# Overflow", GPT-NeoX and Megatron forks): the scale cannot get low enough.
 _SCALE_MINIMUM = re.compile(r"(?i)(?:current\s*)?loss\s*scale\s*already\s*at\s*minimum|"
-                            r"minimum\s*loss\s*scale\s*reached")
+                            r"minimum\s*loss\s*scale\s*reached|"
+                            r"skipped\s*\d{1,9}\s*iterations\s*in\s*a\s*row\s*due\s*to\s*overflow")
 # A bare "step value" pair, the whole line ("76980 nan"): a loss logged with no name at all.
 _BARE_PAIR = re.compile(r"(?i)^\s*\d{1,12}\s+" + _NUM + r"\s*$")
 _RANK_PREFIX = re.compile(r"\[rank(\d{1,9})\]")
@@ -163,7 +166,10 @@ def _scale_findings(reductions: list[tuple[float, float | None, str, int | None]
             run = []
         run.append(reduction)
     final = run[-1][0] if run else None
-    collapsed = bool(minimum) or (len(run) >= MIN_FALLS and final is not None and final <= COLLAPSE_SCALE)
+    # A scale cut below 1 has collapsed even when one line shows it: the gradients overflow
+    # fp16 unscaled, so that scale was reached by many halvings, none of which recovered.
+    collapsed = bool(minimum) or (final is not None and (final < 1.0 or (len(run) >= MIN_FALLS
+                                                                           and final <= COLLAPSE_SCALE)))
     if not collapsed:
         return []
     lines = [r[2] for r in run] + minimum
