@@ -889,3 +889,30 @@ def test_round_8_classes_misaligned_closed_rendezvous_xla_allocation_and_overflo
     assert _categories(below_one) == [("loss_scale_collapse", "high")]
     # One overflow that leaves a normal fp16 scale is routine dynamic loss scaling.
     assert _categories("Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0") == []
+
+
+@pytest.mark.parametrize("line, category", [
+    ("RuntimeError: Timed out initializing process group in store based barrier on rank: 0, for key: "
+     "store_based_barrier_key:1 (world_size=2, worker_count=1, timeout=0:30:00)", "heartbeat_timeout"),
+    ("torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has "
+     "failed. See inner exception for details.", "heartbeat_timeout"),
+    ("RuntimeError: Socket Timeout", "heartbeat_timeout"),
+    ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. "
+     "The server socket has failed to bind to [::]:29500 (errno: 98 - Address already in use).", "heartbeat_timeout"),
+    ("torch.distributed.DistBackendError: [2] is setting up NCCL communicator and retrieving ncclUniqueId from [0] "
+     "via c10d key-value store by key '0', but store->get('0') got error: Socket Timeout", "nccl_error"),
+    ("RuntimeError: HIP error: invalid device function", "cuda_error"),
+    ("RuntimeError: CUDA driver error: out of memory", "oom"),
+    ("RuntimeError: CUDA driver error: invalid argument", "cuda_error"),
+    ("FloatingPointError: Loss became infinite or NaN at iteration=1234!", "loss_nan"),
+    ("RuntimeError: Function 'LogSoftmaxBackward0' returned nan values in its 0th output.", "loss_nan"),
+    ("RuntimeError: unable to write to file </torch_18692_1954506624>: No space left on device (28)",
+     "dataloader_worker_killed"),
+    ("RuntimeError: unable to open shared memory object </torch_3124_2349867> in read-write mode: Too many open "
+     "files (24)", "dataloader_worker_killed"),
+    ("ERROR: Unexpected segmentation fault encountered in worker.", "dataloader_worker_killed"),
+    ("jaxlib.xla_extension.XlaRuntimeError: INTERNAL: external/xla/xla/service/gpu/nccl_utils.cc:297: NCCL "
+     "operation ncclGroupEnd() failed: unhandled cuda error", "nccl_error"),
+])
+def test_more_of_pytorchs_rocms_and_xlas_own_failure_messages(line: str, category: str) -> None:
+    assert [c for c, _ in _categories(line)] == [category]

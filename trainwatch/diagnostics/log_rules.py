@@ -249,7 +249,15 @@ RULES: tuple[LineRule, ...] = (
     # a rendezvous already closed ("RendezvousTimeoutError", "RendezvousClosedError"), a TCPStore
     # client that never reached the store, a store server whose clients never came.
     LineRule("rendezvous-error", "rendezvous", "heartbeat_timeout", re.compile(
-        r"\bRendezvous(?:Timeout|Closed)Error\b"), _nothing),
+        r"\bRendezvous(?:Timeout|Closed|Connection)Error\b"), _nothing),
+    # The store's own words: a get or wait that timed out ("Socket Timeout"), the barrier
+    # init_process_group runs on it, a server that cannot listen (the port is taken).
+    LineRule("store-socket-timeout", "socket timeout", "heartbeat_timeout", re.compile(r"^(?!.*ncclUniqueId).*?\bSocket Timeout\b"),
+             _nothing),
+    LineRule("store-barrier-timeout", "store based barrier", "heartbeat_timeout", re.compile(
+        _words("Timed out initializing process group in store based barrier")), _nothing),
+    LineRule("store-listen-failed", "failed to listen", "heartbeat_timeout", re.compile(
+        _words("The server socket has failed to listen on any local network address")), _nothing),
     LineRule("store-connect-timeout", "timed out", "heartbeat_timeout", re.compile(
         _words("The client socket has timed out after") + r"\s*(?P<secs>\d{1,9})m?s\s*"
         + _words("while trying to connect to")), _nothing),
@@ -284,7 +292,7 @@ RULES: tuple[LineRule, ...] = (
         + r".{0,200}?" + _words("got error:") + r"\s*(?P<why>[^.]{1,80})"), _nothing),
     # Other frameworks name the NCCL call that failed: "ncclCommInitRank failed: unhandled system error".
     LineRule("nccl-call-failed", "nccl", "nccl_error", re.compile(
-        r"\bnccl[A-Z]\w{2,40}\s*failed\s*:\s*(?:nccl[A-Z]\w{2,40}\s*failed\s*:\s*)?" + _NCCL_DESC),
+        r"\bnccl[A-Z]\w{2,40}(?:\(\))?\s*failed\s*:\s*(?:nccl[A-Z]\w{2,40}(?:\(\))?\s*failed\s*:\s*)?" + _NCCL_DESC),
         _nccl_line, family="nccl-text"),
     # NCCL_DEBUG=WARN lines that say the peer of a connection is gone: no "NCCL error"
     # line may follow (the process that printed them is killed first).
@@ -312,7 +320,7 @@ RULES: tuple[LineRule, ...] = (
     # ROCm's words for the same fault: "Memory access fault by GPU node-1 (...) on address 0x..."
     LineRule("rocm-memory-fault", "fault", "illegal_memory_access", re.compile(
         r"Memory\s*access\s*fault\s*by\s*GPU"), _nothing, family="cuda"),
-    LineRule("cuda-error-oom", "memory", "oom", re.compile(r"CUDA\s*error\s*:\s*out\s*of\s*memory"),
+    LineRule("cuda-error-oom", "memory", "oom", re.compile(r"(?:CUDA|HIP)\s*(?:driver\s*)?error\s*:\s*out\s*of\s*memory"),
              _nothing, family="cuda"),
     # Before torch 1.5: "cuda runtime error (2) : out of memory at ...THCGeneral.cpp:50",
     # "THCudaCheck FAIL file=... line=271 error=4 : unspecified launch failure".
@@ -331,6 +339,12 @@ RULES: tuple[LineRule, ...] = (
     LineRule("cuda-error", "cuda", "cuda_error", re.compile(
         r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
         r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),
+        cuda_message, family="cuda"),
+    # The same from the CUDA driver API, and from ROCm ("HIP error: invalid device function").
+    LineRule("cuda-driver-api-error", "driver error", "cuda_error", re.compile(
+        r"CUDA\s*driver\s*error\s*:\s*(?P<msg>[^.\n]{1,200})"), cuda_message, family="cuda"),
+    LineRule("hip-error", "hip error", "cuda_error", re.compile(
+        r"\bHIP\s*error\s*:\s*(?P<msg>.+?)\s*(?:HIP\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|$)"),
         cuda_message, family="cuda"),
     # The driver's and cuBLAS's own error names, as TensorFlow, JAX and C++ code print them:
     # "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED".
@@ -385,6 +399,12 @@ RULES: tuple[LineRule, ...] = (
         r"(?:\s*with\s*exit\s*code\s*(?P<exit>-?\d+))?)"), dataloader_facts),
     LineRule("dataloader-bus-error", "bus", "dataloader_worker_killed", re.compile(
         _words("Unexpected bus error encountered in worker")), bus_error),
+    LineRule("dataloader-worker-segv", "encountered in worker", "dataloader_worker_killed", re.compile(
+        r"Unexpected\s*(?:segmentation\s*fault|floating-point\s*exception)\s*encountered\s*in\s*worker"), _nothing),
+    # Shared memory full while a worker hands a batch over (/dev/shm too small in a container):
+    # "unable to write to file </torch_18692_1954506624>: No space left on device (28)".
+    LineRule("dataloader-shm", "torch_", "dataloader_worker_killed", re.compile(
+        r"unable\s*to\s*(?:write\s*to\s*file|open\s*shared\s*memory\s*object)\s*</torch_\d"), _nothing),
 )
 
 # Cheap pre-filter: a line containing none of these (lower-cased) words
@@ -396,7 +416,8 @@ _ANCHOR_WORDS = (
     "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
     "nccl warn", "mismatch", "assertion", "terminated with", "subset of ranks", "nccl operations",
     "checktimeout", "cublas_status", "return code", "nccl failure", "cudnn_status", "oom when",
-    "failed to connect", "resource_exhausted", "rendezvous",
+    "failed to connect", "resource_exhausted", "rendezvous", "socket timeout", "failed to listen", "torch_",
+    "encountered in worker", "hip error", "driver error",
 )
 
 

@@ -58,7 +58,10 @@ _ABORT_NAN = re.compile(
     # PyTorch's own clip_grad_norm_ on a non-finite total norm: the warning, and the error
     # error_if_nonfinite=True raises instead.
     r"|Non-finite\s*norm\s*encountered\s*in\s*torch\.nn\.utils\.clip_grad_norm_?"
-    r"|for\s*gradients\s*from\s*`?parameters`?\s*is\s*non-finite")
+    r"|for\s*gradients\s*from\s*`?parameters`?\s*is\s*non-finite"
+    # detectron2's trainer, and autograd's anomaly mode naming the op whose gradient went NaN.
+    r"|Loss\s*became\s*infinite\s*or\s*NaN"
+    r"|Function\s*'\w{1,80}'\s*returned\s*nan\s*values\s*in\s*its\s*\d+(?:st|nd|rd|th)\s*output")
 # DeepSpeed: "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32"
 _DS_OVERFLOW = re.compile(
     r"OVERFLOW!\s*Rank\s*(?P<rank>\d{1,9})\s*Skipping\s*step\.\s*Attempted\s*loss\s*scale:\s*"
