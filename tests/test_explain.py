@@ -916,3 +916,28 @@ def test_round_8_classes_misaligned_closed_rendezvous_xla_allocation_and_overflo
 ])
 def test_more_of_pytorchs_rocms_and_xlas_own_failure_messages(line: str, category: str) -> None:
     assert [c for c, _ in _categories(line)] == [category]
+
+
+@pytest.mark.parametrize("line, category, rank", [
+    ("subprocess.CalledProcessError: Command '['/usr/bin/python', '-u', 'train.py', '--local_rank=1']' died with "
+     "<Signals.SIGKILL: 9>.", "child_failed", None),
+    ("srun: error: gpu-node-07: task 3: Killed", "child_failed", 3),
+    ("mpirun noticed that process rank 3 with PID 41235 on node gpu12 exited on signal 9 (Killed).", "child_failed", 3),
+    ("RuntimeError: Too many open files. Communication with the workers is no longer possible. Please increase the "
+     "limit using `ulimit -n`", "dataloader_worker_killed", None),
+    ("node1:1234:1250 [0] include/shm.h:28 NCCL WARN Error: failed to extend /dev/shm/nccl-L6Hc7Q to 9637892 bytes",
+     "nccl_error", None),
+    ("MemoryError: std::bad_alloc: out_of_memory: CUDA error at: /opt/rmm/cuda_memory_resource.hpp:70: "
+     "cudaErrorMemoryAllocation out of memory", "oom", None),
+    ("WARNING: NaN loss detected at step 1200, skipping batch", "loss_nan", None),
+    ("FloatingPointError: invalid value (nan) encountered in mul", "loss_nan", None),
+])
+def test_launchers_schedulers_and_libraries_in_their_own_words(line: str, category: str, rank) -> None:
+    (f,) = explain_inputs([("t.log", line.encode())])["findings"]
+    assert (f["category"], f["rank"]) == (category, rank)
+
+
+def test_a_monitored_barrier_names_the_ranks_that_never_came() -> None:
+    (f,) = explain_inputs([("t.log", b"RuntimeError: [Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in "
+                                     b"1800000 ms")])["findings"]
+    assert (f["category"], f["op"], f["ranks"]) == ("collective_timeout", "BARRIER", [1, 3])

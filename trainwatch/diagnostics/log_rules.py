@@ -25,10 +25,13 @@ from trainwatch.diagnostics.process_facts import (
     elastic_failed,
     elastic_squashed,
     launcher_exit,
+    mpi_signalled,
     old_cuda_message,
     oom_facts,
+    signal_died,
     signal_name,
     spawn_exited,
+    task_signalled,
     to_bytes,
 )
 from trainwatch.diagnostics.nccl_facts import nccl_mismatch_rank, nccl_peer_lost, nccl_retcode, nccl_size_mismatch
@@ -218,6 +221,11 @@ RULES: tuple[LineRule, ...] = (
     LineRule("gloo-timeout", "gloo", "collective_timeout", re.compile(
         r"gloo[^\]\s]*\]\s*" + _words("Timed out waiting") + r"\s*(?P<ms>\d+)\s*ms\s*for\s*(?:recv|send)\s*operation"),
         _gloo_timeout),
+    # monitored_barrier naming the ranks that never arrived: "Ranks 1, 3 failed to pass
+    # monitoredBarrier in 1800000 ms".
+    LineRule("monitored-barrier", "monitoredbarrier", "collective_timeout", re.compile(
+        r"Ranks?\s*(?P<ranks>\d{1,9}(?:\s*,\s*\d{1,9}){0,63})\s*failed\s*to\s*pass\s*monitoredBarrier"),
+        lambda m: {"op": "BARRIER", "ranks": [int(r) for r in re.findall(r"\d+", m.group("ranks"))]}),
     LineRule("gloo-peer-lost", "gloo", "collective_timeout", re.compile(
         r"gloo[^\]\s]*\]\s*(?:Read\s*error\s*(?P<peer1>\[[^\]]*\]:\d+)\s*:\s*)?"
         r"Connection\s*(?:closed|reset)\s*by\s*peer"
@@ -300,6 +308,10 @@ RULES: tuple[LineRule, ...] = (
         r"NCCL\s*WARN\s*(?P<msg>.*?(?:Connection\s*closed\s*by\s*remote\s*peer|Connection\s*reset\s*by\s*peer"
         r"|Broken\s*pipe|Network\s*is\s*unreachable|No\s*route\s*to\s*host|Connection\s*refused|Got\s*completion\s*(?:from\s*peer\s*\S+\s*)?with\s*(?:error|status)\s*=?\s*\d+).*)"),
         nccl_peer_lost),
+    # NCCL's shared memory transport in a container whose /dev/shm is too small.
+    LineRule("nccl-shm", "/dev/shm", "nccl_error", re.compile(
+        r"NCCL\s*WARN\s*.{0,80}?(?:failed\s*to\s*extend\s*/dev/shm|Error\s*while\s*creating\s*shared\s*memory"
+        r"\s*segment\s*/dev/shm/nccl)"), _nothing),
     LineRule("nccl-warn-retcode", "retcode", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*\[[^\]]*\]\s*Failed\s*to\s*execute\s*operation\s*(?P<oper>\w+)\s*from\s*rank\s*"
         r"(?P<peer>\d{1,9}),\s*retcode\s*(?P<code>\d{1,9})"), nccl_retcode),
@@ -348,6 +360,8 @@ RULES: tuple[LineRule, ...] = (
         cuda_message, family="cuda"),
     # The driver's and cuBLAS's own error names, as TensorFlow, JAX and C++ code print them:
     # "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED".
+    LineRule("cuda-malloc-oom", "cudaerrormemoryallocation", "oom", re.compile(r"\bcudaErrorMemoryAllocation\b"),
+             _nothing, family="cuda"),
     LineRule("cuda-driver-oom", "cuda_error", "oom", re.compile(r"\bCUDA_ERROR_OUT_OF_MEMORY\b"),
              _nothing, family="cuda"),
     LineRule("cuda-driver-error", "cuda_error", "cuda_error", re.compile(
@@ -393,12 +407,22 @@ RULES: tuple[LineRule, ...] = (
     LineRule("spawn-exited", "terminated", "child_failed", re.compile(
         r"\bprocess\s*(?P<local>\d{1,6})\s*terminated\s*with\s*(?:signal\s*(?P<sig>SIG[A-Z]{2,6})"
         r"|exit\s*code\s*(?P<exit>-?\d{1,4}))"), spawn_exited),
+    LineRule("subprocess-signalled", "died with", "child_failed", re.compile(
+        r"died\s*with\s*<Signals\.(?P<sig>SIG[A-Z]{2,6}):\s*(?P<num>\d{1,3})>"), signal_died),
+    LineRule("srun-task-signalled", "srun", "child_failed", re.compile(
+        r"srun:\s*error:\s*\S+:\s*tasks?\s*(?P<task>[\d,\-]+):\s*(?P<what>Killed|Segmentation fault|Bus error|Aborted)"),
+        task_signalled),
+    LineRule("mpirun-signalled", "noticed", "child_failed", re.compile(
+        r"noticed\s*that\s*process\s*rank\s*(?P<rank>\d{1,9})\s*with\s*PID\s*(?P<pid>\d{1,12})\s*on\s*node\s*\S+"
+        r"\s*exited\s*on\s*signal\s*(?P<num>\d{1,3})"), mpi_signalled),
     LineRule("dataloader-killed", "dataloader", "dataloader_worker_killed", re.compile(
         r"DataLoader\s*worker\s*(?:\(pid(?:\(s\))?\s*(?P<pids>\d[\d,\s]*)\)\s*)?"
         r"(?:is\s*killed\s*by\s*signal\s*:\s*(?P<sig>[A-Za-z ]+)|exited\s*unexpectedly"
         r"(?:\s*with\s*exit\s*code\s*(?P<exit>-?\d+))?)"), dataloader_facts),
     LineRule("dataloader-bus-error", "bus", "dataloader_worker_killed", re.compile(
         _words("Unexpected bus error encountered in worker")), bus_error),
+    LineRule("dataloader-fds", "no longer possible", "dataloader_worker_killed", re.compile(
+        _words("Communication with the workers is no longer possible")), _nothing),
     LineRule("dataloader-worker-segv", "encountered in worker", "dataloader_worker_killed", re.compile(
         r"Unexpected\s*(?:segmentation\s*fault|floating-point\s*exception)\s*encountered\s*in\s*worker"), _nothing),
     # Shared memory full while a worker hands a batch over (/dev/shm too small in a container):
@@ -417,7 +441,8 @@ _ANCHOR_WORDS = (
     "nccl warn", "mismatch", "assertion", "terminated with", "subset of ranks", "nccl operations",
     "checktimeout", "cublas_status", "return code", "nccl failure", "cudnn_status", "oom when",
     "failed to connect", "resource_exhausted", "rendezvous", "socket timeout", "failed to listen", "torch_",
-    "encountered in worker", "hip error", "driver error",
+    "encountered in worker", "hip error", "driver error", "died with", "srun", "noticed", "no longer possible",
+    "monitoredbarrier", "/dev/shm", "cudaerrormemoryallocation",
 )
 
 

@@ -143,3 +143,25 @@ def signal_name(number: int) -> str | None:
         return _signal.Signals(number).name
     except ValueError:
         return None
+
+
+def signal_died(m: re.Match[str]) -> dict:
+    """subprocess's "died with <Signals.SIGKILL: 9>" (torch.distributed.launch before torchrun)."""
+    number = int(m.group("num"))
+    return {"exit_code": -number, "signal": m.group("sig")}
+
+
+def task_signalled(m: re.Match[str]) -> dict:
+    """Slurm's "srun: error: node7: task 3: Killed" (the task is the global rank)."""
+    facts: dict = {"signal": SIGNAL_TEXTS.get(m.group("what").strip().lower())}
+    if m.group("task") and m.group("task").isdigit():
+        facts["rank"] = int(m.group("task"))
+    return facts
+
+
+def mpi_signalled(m: re.Match[str]) -> dict:
+    """mpirun's "process rank 3 with PID 1234 on node x exited on signal 9 (Killed)"."""
+    number = int(m.group("num"))
+    return {"rank": int(m.group("rank")), "pid": int(m.group("pid")), "exit_code": -number,
+            "signal": signal_name(number)}
+
