@@ -39,11 +39,8 @@ from trainwatch.diagnostics.xid import severity_rank
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explain"
 FIELDS = ("op", "rank", "xid", "severity")
 PARTS = ("dev", "retired", "heldout")
-PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 7, seen)", "heldout": "heldout (round 8)"}
-FIRST_UNSEEN_SCORE: dict[str, dict] = {
-    "heldout": {"round": 8, "texts": 37, "category_right": 32, "category_accuracy": 0.8649,
-                "top1_accuracy": 0.8649, "healthy_called_fault": 0, "scored_at": "6eb905b"},
-}
+PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 8, seen)", "heldout": "heldout (round 9)"}
+FIRST_UNSEEN_SCORE: dict[str, dict] = {}
 """A held-out part's score from the run before any rule was written with its misses in view: the
 honest generalisation figure. Once its misses are studied the live figures below stop measuring it."""
 EARLIER_ROUNDS = (
@@ -60,13 +57,14 @@ EARLIER_ROUNDS = (
      "top1_accuracy": 0.8421, "healthy_called_fault": 0, "scored_at": "4191e14"},
     {"round": 7, "texts": 38, "category_right": 35, "category_accuracy": 0.9211,
      "top1_accuracy": 0.9211, "healthy_called_fault": 0, "scored_at": "48aebd9"},
+    {"round": 8, "texts": 37, "category_right": 32, "category_accuracy": 0.8649,
+     "top1_accuracy": 0.8649, "healthy_called_fault": 0, "scored_at": "6eb905b"},
 )
 """First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
 corpus measured it), kept for the record."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
-"""Whether a part's misses have been looked at while writing rules. The round-8 held-out set's have
-been (a misaligned address, a closed rendezvous, XLA failing to allocate, overflow monitors and a
-scale cut below 1): its first score is its figure."""
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
+"""Whether a part's misses have been looked at while writing rules. The round-9 held-out set's have
+not: its live figure is its generalisation figure until they are."""
 
 
 def _label(path: Path) -> dict:
