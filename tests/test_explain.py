@@ -941,3 +941,30 @@ def test_a_monitored_barrier_names_the_ranks_that_never_came() -> None:
     (f,) = explain_inputs([("t.log", b"RuntimeError: [Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in "
                                      b"1800000 ms")])["findings"]
     assert (f["category"], f["op"], f["ranks"]) == ("collective_timeout", "BARRIER", [1, 3])
+
+
+@pytest.mark.parametrize("line, category", [
+    ("ExternalError:  Nccl error, unhandled cuda error  (at /paddle/paddle/fluid/platform/collective_helper.cc:83)",
+     "nccl_error"),
+    ("OSError: (External) NCCL error(2), unhandled system error.", "nccl_error"),
+    ("ERROR 2021-05-16 22:14:00,649 launch_utils.py:545] ABORT!!! Out of all 4 trainers, the trainer process with "
+     "rank=[1, 2, 3] was aborted. Please check its log.", "child_failed"),
+    ("cudaCheckError() failed : no kernel image is available for execution on the device", "cuda_error"),
+    ("ERROR: Unexpected BUS error encountered in DataLoader worker. This might be caused by insufficient shared "
+     "memory (shm)", "dataloader_worker_killed"),
+    ("[W socket.cpp:426] [c10d] The server socket has failed to listen on [::]:38429 (errno: 98 - Address already "
+     "in use).", "heartbeat_timeout"),
+])
+def test_paddles_and_extensions_words_for_known_failures(line: str, category: str) -> None:
+    assert [c for c, _ in _categories(line)] == [category]
+
+
+def test_healthy_socket_and_loss_term_lines_stay_healthy_and_a_nan_loss_term_does_not() -> None:
+    # No IPv6 on the host: the store falls back to IPv4 and the job runs.
+    assert _categories("[W socket.cpp:697] [c10d] The server socket has failed to listen on [::]:29500 "
+                       "(errno: 97 - Address family not supported by protocol).") == []
+    terms = ("Epoch [1][{i}/1084]\tlr: 0.01000, loss_rpn_cls: 0.5577, loss_cls: 0.1869, acc: 92.86, "
+             "loss_bbox: {v}, loss: {v}")
+    assert [c for c, _ in _categories("\n".join(terms.format(i=i, v=v) for i, v in ((50, "nan"), (100, "nan"),
+                                                                                 (150, "0.4434"))))] == ["loss_nan"]
+    assert _categories("\n".join(terms.format(i=i, v="0.4434") for i in (50, 100))) == []

@@ -34,17 +34,9 @@ from trainwatch.diagnostics.process_facts import (
     task_signalled,
     to_bytes,
 )
-from trainwatch.diagnostics.nccl_facts import nccl_mismatch_rank, nccl_peer_lost, nccl_retcode, nccl_size_mismatch
+from trainwatch.diagnostics.nccl_facts import (nccl_code, nccl_line, nccl_mismatch_rank, nccl_peer_lost, nccl_retcode,
+                                                nccl_size_mismatch)
 
-# NCCL's one-line descriptions (ncclGetErrorString) -> the ncclResult_t name.
-NCCL_DESCRIPTIONS = {
-    "unhandled system error": "ncclSystemError",
-    "internal error": "ncclInternalError",
-    "remote process exited or there was a network error": "ncclRemoteError",
-    "unhandled cuda error": "ncclUnhandledCudaError",
-    "invalid usage": "ncclInvalidUsage",
-    "invalid argument": "ncclInvalidArgument",
-}
 
 def _words(phrase: str) -> str:
     """Regex for a phrase whose spaces may be lost or doubled.
@@ -159,24 +151,9 @@ def _stuck(m: re.Match[str]) -> dict:
     return facts
 
 
-def _nccl_line(m: re.Match[str]) -> dict:
-    """Facts of "NCCL error in: FILE:LINE, DESCRIPTION, NCCL version V"."""
-    desc = " ".join(m.group("desc").lower().split())
-    code = next((c for d, c in NCCL_DESCRIPTIONS.items() if desc.startswith(d)), None)
-    facts: dict = {"nccl_code": code}
-    if m.group("ver"):
-        facts["nccl_version"] = m.group("ver").rstrip(".")
-    return facts
-
-
 def _nccl_async(m: re.Match[str]) -> dict:
     """A collective that raised an async NCCL error: the work record plus the code."""
-    return {**_work(m), **_nccl_line(m)}
-
-
-def _nccl_code(m: re.Match[str]) -> dict:
-    """Facts of an "ncclSystemError: ..." line."""
-    return {"nccl_code": m.group("code")}
+    return {**_work(m), **nccl_line(m)}
 
 
 def _nothing(m: re.Match[str]) -> dict:
@@ -264,8 +241,9 @@ RULES: tuple[LineRule, ...] = (
              _nothing),
     LineRule("store-barrier-timeout", "store based barrier", "heartbeat_timeout", re.compile(
         _words("Timed out initializing process group in store based barrier")), _nothing),
-    LineRule("store-listen-failed", "failed to listen", "heartbeat_timeout", re.compile(
-        _words("The server socket has failed to listen on any local network address")), _nothing),
+    LineRule("store-listen-failed", "the server socket", "heartbeat_timeout", re.compile(
+        _words("The server socket has failed to") + r"\s*(?:listen\s*on\s*any\s*local\s*network\s*address|"
+        r"(?:listen\s*on|bind\s*to)\s*\S+\s*\(errno:\s*98\b)"), _nothing),
     LineRule("store-connect-timeout", "timed out", "heartbeat_timeout", re.compile(
         _words("The client socket has timed out after") + r"\s*(?P<secs>\d{1,9})m?s\s*"
         + _words("while trying to connect to")), _nothing),
@@ -290,7 +268,8 @@ RULES: tuple[LineRule, ...] = (
         + r"\s*NCCL\s*error\s*:\s*" + _NCCL_DESC),
         _nccl_async, family="nccl-text"),
     LineRule("nccl-error-in", "nccl", "nccl_error", re.compile(
-        r"NCCL\s*(?:[Ee]rror|failure)\s*(?:in\s*:\s*[^,\s]+\s*,|(?:\d{1,3}\s*)?:)\s*" + _NCCL_DESC), _nccl_line,
+        r"(?i:NCCL)\s*(?:[Ee]rror|failure)\s*(?:in\s*:\s*[^,\s]+\s*,|(?:\d{1,3}\s*)?:|\(\d{1,3}\)\s*,|,)\s*" + _NCCL_DESC),
+        nccl_line,
         family="nccl-text"),
     # A rank fetching the communicator's unique id from rank 0 through the store when rank 0
     # is gone: the NCCL group never forms ("... via c10d key-value store by key '0', but
@@ -301,7 +280,7 @@ RULES: tuple[LineRule, ...] = (
     # Other frameworks name the NCCL call that failed: "ncclCommInitRank failed: unhandled system error".
     LineRule("nccl-call-failed", "nccl", "nccl_error", re.compile(
         r"\bnccl[A-Z]\w{2,40}(?:\(\))?\s*failed\s*:\s*(?:nccl[A-Z]\w{2,40}(?:\(\))?\s*failed\s*:\s*)?" + _NCCL_DESC),
-        _nccl_line, family="nccl-text"),
+        nccl_line, family="nccl-text"),
     # NCCL_DEBUG=WARN lines that say the peer of a connection is gone: no "NCCL error"
     # line may follow (the process that printed them is killed first).
     LineRule("nccl-warn-peer-lost", "warn", "nccl_error", re.compile(
@@ -318,7 +297,7 @@ RULES: tuple[LineRule, ...] = (
     LineRule("nccl-code", "nccl", "nccl_error", re.compile(
         r"\b(?P<code>nccl(?:UnhandledCudaError|SystemError|InternalError|InvalidArgument|InvalidUsage"
         r"|RemoteError))\s*:"),
-        _nccl_code),
+        nccl_code),
     # -- CUDA: one finding per line, most specific first -------------------------
     LineRule("cuda-ecc", "ecc", "ecc", re.compile(
         _words("uncorrectable ECC error encountered") + r"|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable"),
@@ -348,6 +327,10 @@ RULES: tuple[LineRule, ...] = (
         r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'out of memory'"), _nothing, family="cuda"),
     LineRule("nccl-cuda-failure", "failure", "cuda_error", re.compile(
         r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'(?P<msg>[^']{1,200})'"), cuda_message, family="cuda"),
+    # A CUDA extension's own check, and the runtime's words wherever they are printed.
+    LineRule("cuda-check-failed", "kernel image", "cuda_error", re.compile(
+        r"(?P<msg>no\s*kernel\s*image\s*is\s*available\s*for\s*execution\s*on\s*the\s*device)"), cuda_message,
+        family="cuda"),
     LineRule("cuda-error", "cuda", "cuda_error", re.compile(
         r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
         r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),
@@ -407,6 +390,10 @@ RULES: tuple[LineRule, ...] = (
     LineRule("spawn-exited", "terminated", "child_failed", re.compile(
         r"\bprocess\s*(?P<local>\d{1,6})\s*terminated\s*with\s*(?:signal\s*(?P<sig>SIG[A-Z]{2,6})"
         r"|exit\s*code\s*(?P<exit>-?\d{1,4}))"), spawn_exited),
+    # Paddle's launcher: "ABORT!!! Out of all 4 trainers, the trainer process with rank=[1, 2, 3] was aborted."
+    LineRule("paddle-trainers-aborted", "abort", "child_failed", re.compile(
+        r"Out\s*of\s*all\s*\d{1,9}\s*trainers,\s*the\s*trainer\s*process\s*with\s*rank=\[(?P<ranks>[\d,\s]{1,400})\]"
+        r"\s*was\s*aborted"), lambda m: {"ranks": [int(r) for r in re.findall(r"\d+", m.group("ranks"))]}),
     LineRule("subprocess-signalled", "died with", "child_failed", re.compile(
         r"died\s*with\s*<Signals\.(?P<sig>SIG[A-Z]{2,6}):\s*(?P<num>\d{1,3})>"), signal_died),
     LineRule("srun-task-signalled", "srun", "child_failed", re.compile(
@@ -420,11 +407,12 @@ RULES: tuple[LineRule, ...] = (
         r"(?:is\s*killed\s*by\s*signal\s*:\s*(?P<sig>[A-Za-z ]+)|exited\s*unexpectedly"
         r"(?:\s*with\s*exit\s*code\s*(?P<exit>-?\d+))?)"), dataloader_facts),
     LineRule("dataloader-bus-error", "bus", "dataloader_worker_killed", re.compile(
-        _words("Unexpected bus error encountered in worker")), bus_error),
+        r"(?i)Unexpected\s*bus\s*error\s*encountered\s*in\s*(?:DataLoader\s*)?worker"), bus_error),
     LineRule("dataloader-fds", "no longer possible", "dataloader_worker_killed", re.compile(
         _words("Communication with the workers is no longer possible")), _nothing),
     LineRule("dataloader-worker-segv", "encountered in worker", "dataloader_worker_killed", re.compile(
-        r"Unexpected\s*(?:segmentation\s*fault|floating-point\s*exception)\s*encountered\s*in\s*worker"), _nothing),
+        r"(?i)Unexpected\s*(?:segmentation\s*fault|floating-point\s*exception)\s*encountered\s*in\s*"
+        r"(?:DataLoader\s*)?worker"), _nothing),
     # Shared memory full while a worker hands a batch over (/dev/shm too small in a container):
     # "unable to write to file </torch_18692_1954506624>: No space left on device (28)".
     LineRule("dataloader-shm", "torch_", "dataloader_worker_killed", re.compile(
@@ -442,7 +430,7 @@ _ANCHOR_WORDS = (
     "checktimeout", "cublas_status", "return code", "nccl failure", "cudnn_status", "oom when",
     "failed to connect", "resource_exhausted", "rendezvous", "socket timeout", "failed to listen", "torch_",
     "encountered in worker", "hip error", "driver error", "died with", "srun", "noticed", "no longer possible",
-    "monitoredbarrier", "/dev/shm", "cudaerrormemoryallocation",
+    "monitoredbarrier", "/dev/shm", "cudaerrormemoryallocation", "the server socket", "abort", "kernel image",
 )
 
 

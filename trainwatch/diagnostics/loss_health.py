@@ -129,10 +129,14 @@ def _series(lines: list[str]) -> tuple[list[tuple[float, str]], list[tuple[str, 
             printed.append((scale, line))
         if _SCALE_MINIMUM.search(line):
             minimum.append(line)
-        # One value per line: a line with both prints the grad norm next to the loss it came from.
-        m = _GRAD_NORM.search(line) or _LOSS.search(line) or _BARE_PAIR.match(line)
-        if m and (value := _value(m.group("value"))) is not None:
-            metrics.append((value, line))
+        # One value per line: a line with both prints the grad norm next to the loss it came from,
+        # and a line of loss terms (mmdet's loss_cls, loss_bbox, loss) is NaN if any term is.
+        found = [m for m in (_GRAD_NORM.search(line), *_LOSS.finditer(line)) if m is not None]
+        values = [v for m in found if (v := _value(m.group("value"))) is not None]
+        if not values and (m := _BARE_PAIR.match(line)) and (v := _value(m.group("value"))) is not None:
+            values = [v]
+        if values:
+            metrics.append((next((v for v in values if not math.isfinite(v)), values[0]), line))
     # A scaler that says when it reduces the scale says it best; else the logged values tell.
     return metrics, aborts, reductions or falls, minimum, not reductions and bool(falls)
 

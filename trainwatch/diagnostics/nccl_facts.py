@@ -47,3 +47,29 @@ def nccl_mismatch_rank(m: re.Match[str]) -> dict:
 def nccl_size_mismatch(m: re.Match[str]) -> dict:
     """NCCL's network plugin receiving a message of another size than it posted."""
     return {"local_size": int(m.group("local")), "remote_size": int(m.group("remote")), "transport": "nccl"}
+
+
+# NCCL's one-line descriptions (ncclGetErrorString) -> the ncclResult_t name.
+NCCL_DESCRIPTIONS = {
+    "unhandled system error": "ncclSystemError",
+    "internal error": "ncclInternalError",
+    "remote process exited or there was a network error": "ncclRemoteError",
+    "unhandled cuda error": "ncclUnhandledCudaError",
+    "invalid usage": "ncclInvalidUsage",
+    "invalid argument": "ncclInvalidArgument",
+}
+
+
+def nccl_line(m: re.Match[str]) -> dict:
+    """Facts of "NCCL error in: FILE:LINE, DESCRIPTION, NCCL version V"."""
+    desc = " ".join(m.group("desc").lower().split())
+    code = next((c for d, c in NCCL_DESCRIPTIONS.items() if desc.startswith(d)), None)
+    facts: dict = {"nccl_code": code}
+    if m.group("ver"):
+        facts["nccl_version"] = m.group("ver").rstrip(".")
+    return facts
+
+
+def nccl_code(m: re.Match[str]) -> dict:
+    """Facts of an "ncclSystemError: ..." line."""
+    return {"nccl_code": m.group("code")}
