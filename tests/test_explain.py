@@ -968,3 +968,9 @@ def test_healthy_socket_and_loss_term_lines_stay_healthy_and_a_nan_loss_term_doe
     assert [c for c, _ in _categories("\n".join(terms.format(i=i, v=v) for i, v in ((50, "nan"), (100, "nan"),
                                                                                  (150, "0.4434"))))] == ["loss_nan"]
     assert _categories("\n".join(terms.format(i=i, v="0.4434") for i in (50, 100))) == []
+
+
+def test_a_running_average_meter_gone_nan_whatever_it_measures() -> None:
+    line = ("Epoch: [40][{i}/1603]  Time: 1.162s (1.383s)  Stage0-heatmaps: {v} ({v})  Stage1-heatmaps: 0.01 (0.01)")
+    assert [c for c, _ in _categories("\n".join(line.format(i=i, v="nan") for i in (1200, 1300)))] == ["loss_nan"]
+    assert _categories("\n".join(line.format(i=i, v="0.0094") for i in (1200, 1300))) == []

@@ -80,6 +80,9 @@ _SCALE_VALUE = re.compile(r"(?i)\bloss[\s_-]?scale['\"]?\s*[:=|]?\s*(?P<value>\d
 _SCALE_MINIMUM = re.compile(r"(?i)(?:current\s*)?loss\s*scale\s*already\s*at\s*minimum|"
                             r"minimum\s*loss\s*scale\s*reached|"
                             r"skipped\s*\d{1,9}\s*iterations\s*in\s*a\s*row\s*due\s*to\s*overflow")
+# A running-average meter gone NaN, whatever it measures ("Stage0-heatmaps: nan (nan)",
+# "Loss nan (nan)"): the value and the mean of all values so far are both non-finite.
+_METER_NAN = re.compile(r"(?i)(?<![\w-])[a-z][\w-]{0,40}:?\s+(?:nan|inf)\s*\(\s*(?:nan|inf)\s*\)")
 # A bare "step value" pair, the whole line ("76980 nan"): a loss logged with no name at all.
 _BARE_PAIR = re.compile(r"(?i)^\s*\d{1,12}\s+" + _NUM + r"\s*$")
 _RANK_PREFIX = re.compile(r"\[rank(\d{1,9})\]")
@@ -135,6 +138,8 @@ def _series(lines: list[str]) -> tuple[list[tuple[float, str]], list[tuple[str, 
         values = [v for m in found if (v := _value(m.group("value"))) is not None]
         if not values and (m := _BARE_PAIR.match(line)) and (v := _value(m.group("value"))) is not None:
             values = [v]
+        if not any(not math.isfinite(v) for v in values) and _METER_NAN.search(line):
+            values = [math.nan]
         if values:
             metrics.append((next((v for v in values if not math.isfinite(v)), values[0]), line))
     # A scaler that says when it reduces the scale says it best; else the logged values tell.
