@@ -974,3 +974,19 @@ def test_a_running_average_meter_gone_nan_whatever_it_measures() -> None:
     line = ("Epoch: [40][{i}/1603]  Time: 1.162s (1.383s)  Stage0-heatmaps: {v} ({v})  Stage1-heatmaps: 0.01 (0.01)")
     assert [c for c, _ in _categories("\n".join(line.format(i=i, v="nan") for i in (1200, 1300)))] == ["loss_nan"]
     assert _categories("\n".join(line.format(i=i, v="0.0094") for i in (1200, 1300))) == []
+
+
+def test_paddles_native_traceback_shows_a_rank_inside_an_nccl_all_reduce() -> None:
+    text = ("--------------------------------------\n"
+            "C++ Traceback (most recent call last):\n"
+            "--------------------------------------\n"
+            "0   paddle::imperative::BasicEngine::Execute()\n"
+            "1   paddle::imperative::Reducer::MarkGroupReady(unsigned long)\n"
+            "2   paddle::imperative::AllReduce(paddle::framework::Variable const&, int, bool)\n"
+            "3   ncclAllReduce\n"
+            "4   ncclEnqueueCheck(ncclInfo*)\n")
+    assert _categories(text) == [("collective_wait", "high")]
+    conv = ("C++ Traceback (most recent call last):\n"
+            "0   paddle::imperative::Tracer::TraceOp(std::string const&)\n"
+            "1   cudnnConvolutionForward\n")
+    assert "collective_wait" not in [c for c, _ in _categories(conv)]

@@ -182,6 +182,9 @@ _CPP_FRAME = re.compile(
     r"^frame #\d+: (?P<func>.+?)(?: \+ 0x[0-9a-fA-F]+)? \((?:0x[0-9a-fA-F]+ in )?(?P<file>[^()]*)\)\s*$"
 )
 _LWP = re.compile(r"LWP (\d+)")
+# PaddlePaddle's native stack on a fatal signal: a header, then "0   paddle::imperative::...".
+_PADDLE_CPP_HEADER = re.compile(r"^\s*C\+\+ Traceback \(most recent call last\):\s*$")
+_PADDLE_CPP_FRAME = re.compile(r"^\s*\d{1,4}\s{2,}(?P<func>[A-Za-z_~][^\s(]*(?:\(.*\))?)\s*$")
 # cuda-gdb's `info cuda kernels` table: one row per kernel on the device, the kernel's name last
 # ("*  0  -  0 52162520 Active 0x00000001 (1,1,1) (64,1,1) ncclReduceRingLLKernel_sum_f64()").
 # An active kernel is where that GPU is: a frame of a "GPU" thread.
@@ -345,6 +348,10 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
                 "pystack", m.group("id"), m.group("name"),
                 gil=True if "Has the GIL" in state else None, innermost_last=True))
             thread.collecting = "Garbage collecting" in state
+        elif _PADDLE_CPP_HEADER.match(line):
+            thread = new_thread(_ThreadBuilder("paddlecpp", innermost_last=True))
+        elif thread is not None and thread.kind == "paddlecpp" and (m := _PADDLE_CPP_FRAME.match(line)):
+            thread.frames.append(Frame(m.group("func").split("(")[0], ""))
         elif m := _TB_HEADER.match(line):
             first = m.group("order") == "first"  # gdb's py-bt prints innermost first
             thread = new_thread(_ThreadBuilder(
