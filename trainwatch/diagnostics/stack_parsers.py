@@ -142,8 +142,8 @@ _PYSPY_LOOSE_FRAME = re.compile(
 # lldb `bt`: "* thread #1, queue = 'com.apple.main-thread', stop reason = signal SIGSTOP"
 # and "  * frame #0: 0x00000001aa919084 Metal`pthread_cond_wait + 12". The frame's tail
 # (" + 12", " at file.c:34:5") is split off in Python: a regex doing it backtracks on long lines.
-_LLDB_THREAD = re.compile(r"^\s*\*?\s*thread #(?P<num>\d+)(?:,\s*(?P<desc>.*))?$")
-_LLDB_FRAME = re.compile(r"^\s*\*?\s*frame #\d+:\s*(?:0x[0-9a-fA-F]+\s+)?(?P<lib>[^`\s]+)`(?P<rest>\S.*)$")
+_LLDB_THREAD = re.compile(r"^\s*(?:\*\s*)?thread #(?P<num>\d+)(?:,\s*(?P<desc>.*))?$")
+_LLDB_FRAME = re.compile(r"^\s*(?:\*\s*)?frame #\d+:\s*(?:0x[0-9a-fA-F]+\s+)?(?P<lib>[^`\s]+)`(?P<rest>\S.*)$")
 _LLDB_AT = re.compile(r"\s+at\s+(?P<file>\S+?)(?::(?P<line>\d{1,9}))?(?::\d{1,9})?$")
 _OFFSET = re.compile(r"\s+\+\s+\d{1,12}$")
 # macOS crash reports: "3   libtorch_cpu.dylib   \t0x000000010a2f15f6 at::native::foo + 406"
