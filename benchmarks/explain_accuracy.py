@@ -39,11 +39,8 @@ from trainwatch.diagnostics.xid import severity_rank
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explain"
 FIELDS = ("op", "rank", "xid", "severity")
 PARTS = ("dev", "retired", "heldout")
-PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 8, seen)", "heldout": "heldout (round 9)"}
-FIRST_UNSEEN_SCORE: dict[str, dict] = {
-    "heldout": {"round": 9, "texts": 52, "category_right": 40, "category_accuracy": 0.7692,
-                "top1_accuracy": 0.7692, "healthy_called_fault": 0, "scored_at": "fc93010"},
-}
+PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 9, seen)", "heldout": "heldout (round 10)"}
+FIRST_UNSEEN_SCORE: dict[str, dict] = {}
 """A held-out part's score from the run before any rule was written with its misses in view: the
 honest generalisation figure. Once its misses are studied the live figures below stop measuring it."""
 EARLIER_ROUNDS = (
@@ -62,13 +59,14 @@ EARLIER_ROUNDS = (
      "top1_accuracy": 0.9211, "healthy_called_fault": 0, "scored_at": "48aebd9"},
     {"round": 8, "texts": 37, "category_right": 32, "category_accuracy": 0.8649,
      "top1_accuracy": 0.8649, "healthy_called_fault": 0, "scored_at": "6eb905b"},
+    {"round": 9, "texts": 52, "category_right": 40, "category_accuracy": 0.7692,
+     "top1_accuracy": 0.7692, "healthy_called_fault": 0, "scored_at": "fc93010"},
 )
 """First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
 corpus measured it), kept for the record."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
-"""Whether a part's misses have been looked at while writing rules. The round-9 held-out set's have
-been (Paddle's launcher and NCCL wording, a store port in use, a NaN loss term among others, a
-CUDA extension's own check): its first score is its figure."""
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
+"""Whether a part's misses have been looked at while writing rules. The round-10 held-out set's have
+not: its live figure is its generalisation figure until they are."""
 
 
 def _label(path: Path) -> dict:
