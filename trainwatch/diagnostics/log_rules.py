@@ -203,6 +203,9 @@ RULES: tuple[LineRule, ...] = (
     LineRule("monitored-barrier", "monitoredbarrier", "collective_timeout", re.compile(
         r"Ranks?\s*(?P<ranks>\d{1,9}(?:\s*,\s*\d{1,9}){0,63})\s*failed\s*to\s*pass\s*monitoredBarrier"),
         lambda m: {"op": "BARRIER", "ranks": [int(r) for r in re.findall(r"\d+", m.group("ranks"))]}),
+    # Huawei's HCCL on Ascend NPUs: "hccl fftsplus task timeout occurred during task execution".
+    LineRule("hccl-task-timeout", "hccl", "collective_timeout", re.compile(
+        r"(?i)\bhccl\b.{0,40}?task\s*timeout"), _nothing),
     LineRule("gloo-peer-lost", "gloo", "collective_timeout", re.compile(
         r"gloo[^\]\s]*\]\s*(?:Read\s*error\s*(?P<peer1>\[[^\]]*\]:\d+)\s*:\s*)?"
         r"Connection\s*(?:closed|reset)\s*by\s*peer"
@@ -284,7 +287,7 @@ RULES: tuple[LineRule, ...] = (
     # NCCL_DEBUG=WARN lines that say the peer of a connection is gone: no "NCCL error"
     # line may follow (the process that printed them is killed first).
     LineRule("nccl-warn-peer-lost", "warn", "nccl_error", re.compile(
-        r"NCCL\s*WARN\s*(?P<msg>.*?(?:Connection\s*closed\s*by\s*remote\s*peer|Connection\s*reset\s*by\s*peer"
+        r"NCCL\s*WARN(?P<msg>.*?(?:Connection\s*closed\s*by\s*remote\s*peer|Connection\s*reset\s*by\s*peer"
         r"|Broken\s*pipe|Network\s*is\s*unreachable|No\s*route\s*to\s*host|Connection\s*refused|Got\s*completion\s*(?:from\s*peer\s*\S+\s*)?with\s*(?:error|status)\s*=?\s*\d+).*)"),
         nccl_peer_lost),
     # NCCL's shared memory transport in a container whose /dev/shm is too small.
@@ -306,12 +309,14 @@ RULES: tuple[LineRule, ...] = (
         _words("illegal memory access was encountered") + r"|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS"),
         _nothing, family="cuda"),
     LineRule("cuda-misaligned-address", "misaligned", "illegal_memory_access", re.compile(
-        r"CUDA\s*error\s*:\s*misaligned\s*address|cudaErrorMisalignedAddress|CUDA_ERROR_MISALIGNED_ADDRESS"),
+        r"\b(?i:CUDA\s*error)\s*:\s*misaligned\s*address|cudaSuccess\s*\(\d{1,3}\s*vs\.\s*0\)\s*misaligned\s*address"
+        r"|cudaErrorMisalignedAddress|CUDA_ERROR_MISALIGNED_ADDRESS"),
         _nothing, family="cuda"),
     # ROCm's words for the same fault: "Memory access fault by GPU node-1 (...) on address 0x..."
     LineRule("rocm-memory-fault", "fault", "illegal_memory_access", re.compile(
         r"Memory\s*access\s*fault\s*by\s*GPU"), _nothing, family="cuda"),
-    LineRule("cuda-error-oom", "memory", "oom", re.compile(r"(?:CUDA|HIP)\s*(?:driver\s*)?error\s*:\s*out\s*of\s*memory"),
+    LineRule("cuda-error-oom", "memory", "oom", re.compile(
+        r"\b(?i:CUDA|HIP)\s*(?:driver\s*)?(?i:error)\s*:\s*out\s*of\s*memory"),
              _nothing, family="cuda"),
     # Before torch 1.5: "cuda runtime error (2) : out of memory at ...THCGeneral.cpp:50",
     # "THCudaCheck FAIL file=... line=271 error=4 : unspecified launch failure".
@@ -332,7 +337,7 @@ RULES: tuple[LineRule, ...] = (
         r"(?P<msg>no\s*kernel\s*image\s*is\s*available\s*for\s*execution\s*on\s*the\s*device)"), cuda_message,
         family="cuda"),
     LineRule("cuda-error", "cuda", "cuda_error", re.compile(
-        r"CUDA\s*error\s*:\s*(?P<msg>.+?)\s*"
+        r"\b(?i:CUDA\s*error)\s*:\s*(?P<msg>.+?)\s*"
         r"(?:CUDA\s*kernel\s*errors|Search\s*for\s*`|Compile\s*with\s*`|'?,\s*please|$)"),
         cuda_message, family="cuda"),
     # The same from the CUDA driver API, and from ROCm ("HIP error: invalid device function").
@@ -343,8 +348,13 @@ RULES: tuple[LineRule, ...] = (
         cuda_message, family="cuda"),
     # The driver's and cuBLAS's own error names, as TensorFlow, JAX and C++ code print them:
     # "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED".
-    LineRule("cuda-malloc-oom", "cudaerrormemoryallocation", "oom", re.compile(r"\bcudaErrorMemoryAllocation\b"),
-             _nothing, family="cuda"),
+    LineRule("cuda-malloc-oom", "memory", "oom", re.compile(
+        r"\bcudaErrorMemoryAllocation\b|cudaMalloc\w{0,12}\s*failed\s*:?\s*out\s*of\s*memory"
+        r"|cudaSuccess\s*\(\d{1,3}\s*vs\.\s*0\)\s*out\s*of\s*memory"), _nothing, family="cuda"),
+    # Caffe's and glog's CUDA check: "Check failed: error == cudaSuccess (74 vs. 0)  misaligned address".
+    LineRule("cuda-check-glog", "cudasuccess", "cuda_error", re.compile(
+        r"Check\s*failed:\s*\w{1,20}\s*==\s*cudaSuccess\s*\(\d{1,3}\s*vs\.\s*0\)\s*(?P<msg>\S.{0,200})"),
+        cuda_message, family="cuda"),
     LineRule("cuda-driver-oom", "cuda_error", "oom", re.compile(r"\bCUDA_ERROR_OUT_OF_MEMORY\b"),
              _nothing, family="cuda"),
     LineRule("cuda-driver-error", "cuda_error", "cuda_error", re.compile(
@@ -430,7 +440,7 @@ _ANCHOR_WORDS = (
     "checktimeout", "cublas_status", "return code", "nccl failure", "cudnn_status", "oom when",
     "failed to connect", "resource_exhausted", "rendezvous", "socket timeout", "failed to listen", "torch_",
     "encountered in worker", "hip error", "driver error", "died with", "srun", "noticed", "no longer possible",
-    "monitoredbarrier", "/dev/shm", "cudaerrormemoryallocation", "the server socket", "abort", "kernel image",
+    "monitoredbarrier", "/dev/shm", "the server socket", "abort", "kernel image", "cudasuccess", "hccl",
 )
 
 

@@ -45,12 +45,12 @@ _NUM = r"(?P<value>[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?))"
 _END = r"(?!\w|\.\w)"
 """After a value: not more of a word or number; a full stop ending the sentence is fine."""
 # "grad norm: nan", "grad_norm: nan", "'grad_norm': nan", "grad_norm=nan", "grad-norm nan"
-_GRAD_NORM = re.compile(r"(?i)\bgrad[\s_-]?norm['\"]?\s*[:=]?\s*" + _NUM + _END)
+_GRAD_NORM = re.compile(r"(?i)\bgrad[\s_-]?norm['\"]?\s*(?:[:=]\s*)?" + _NUM + _END)
 # "loss: nan", "'loss': nan", "lm loss: nan", "loss=nan", "train_loss: nan", a loss term ("loss_net: nan"),
 # a table cell ("| loss | nan |"), a bare pair ("Loss nan   LearningRate") or a bracketed name
 # ("[Loss] nan"); never the loss scale.
 _LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train[_ ]|total[_ ])?loss(?!_?scal)(?:_[a-z0-9]{1,20})?['\"\]]?"
-                   r"(?:\s*[:=|]\s*|\s+)" + _NUM + _END)
+                   r"(?:\s*[:=|]\s*|\s+)\[?" + _NUM + _END)  # Paddle prints a loss as a list: "loss: [nan]"
 _ABORT_NAN = re.compile(
     r"(?i)(?:Rank\s*(?P<rank>\d{1,9})\s*:\s*)?found\s*(?:NaN|Inf)\s*in\s*local\s*grad\s*norm"
     r"|Bad\s*grad_?norm\s*detected\s*\(grad_?norm\s*=\s*nan\)"
@@ -74,7 +74,7 @@ _APEX_OVERFLOW = re.compile(r"(?i)(?:reducing|overflow\s*detected,\s*setting)\s*
                             r"(?P<after>\d[\d.eE+-]*)")
 # The scale as a logged value, step after step: "loss_scale : 3.7e-09", "| loss_scale 0.500 |",
 # "'loss_scale': 1024.0": a series that falls and falls is the same collapse.
-_SCALE_VALUE = re.compile(r"(?i)\bloss[\s_-]?scale['\"]?\s*[:=|]?\s*(?P<value>\d[\d.]*(?:[eE][-+]?\d+)?)" + _END)
+_SCALE_VALUE = re.compile(r"(?i)\bloss[\s_-]?scale['\"]?\s*(?:[:=|]\s*)?(?P<value>\d[\d.]*(?:[eE][-+]?\d+)?)" + _END)
 # The scaler's floor, or an overflow monitor giving up ("Skipped 50 iterations in a row due to
 # Overflow", GPT-NeoX and Megatron forks): the scale cannot get low enough.
 _SCALE_MINIMUM = re.compile(r"(?i)(?:current\s*)?loss\s*scale\s*already\s*at\s*minimum|"
