@@ -574,6 +574,7 @@ def test_loss_health_and_kernel_readers_take_any_numbers(lines: list[str]) -> No
 @example(head="NCCL WARN ", fill=" ", size=39_996, tail="at")
 @example(head="grad_norm", fill=" ", size=40_000, tail="at")
 @example(head="loss scale", fill="\t", size=40_000, tail="at")
+@example(head="Thread 1 (idle)\n  f", fill="\t", size=40_000, tail="")
 def test_long_lines_are_read_in_bounded_time(head: str, fill: str, size: int, tail: str) -> None:
     text = head + fill * (size // len(fill)) + tail
     report = explain_inputs([("rank0.log", text.encode())])

@@ -6,107 +6,16 @@ without `--native`), faulthandler dumps, Python tracebacks, pystack, gdb `bt` an
 shape into the same model (`ProcessStack` > `ThreadStack` > `Frame`, innermost
 frame first) and never raises on junk: a line it does not understand is skipped.
 
-Everything here is pure: text or decoded JSON in, frozen dataclasses out.
+Everything here is pure: text or decoded JSON in, frozen dataclasses out (the JSON
+shapes are read in pyspy_json.py).
 """
 
 from __future__ import annotations
 
-import json
 import re
-from typing import Any, Mapping
 
+from trainwatch.diagnostics.pyspy_json import decode_json_values, parse_pyspy_json  # noqa: F401 - re-exported
 from trainwatch.diagnostics.stacks import Frame, ProcessStack, ThreadStack
-
-# ---------------------------------------------------------------------------
-# py-spy JSON
-
-
-def parse_pyspy_json(data: Any, pid: int | None = None, rank: int | None = None) -> list[ProcessStack]:
-    """Decoded `py-spy dump --json` output -> processes.
-
-    Accepts a list of thread objects (what py-spy prints), an object mapping
-    pid -> thread list, an object `{"pid", "rank", "threads"}` or a list of any
-    of these. Junk yields an empty list, never an exception.
-    """
-    if isinstance(data, dict):
-        if "frames" in data:
-            return parse_pyspy_json([data], pid=pid, rank=rank)
-        if "threads" in data or "error" in data:
-            threads = data.get("threads") if isinstance(data.get("threads"), list) else []
-            return [ProcessStack(
-                pid=_int_or(data.get("pid"), pid),
-                rank=_int_or(data.get("rank"), rank),
-                command=_str_or_none(data.get("command")),
-                threads=tuple(_pyspy_json_thread(t) for t in threads if isinstance(t, dict)),
-                error=_str_or_none(data.get("error")),
-            )]
-        out: list[ProcessStack] = []
-        for key, value in data.items():
-            out.extend(parse_pyspy_json(value, pid=_int_or(key, pid), rank=rank))
-        return out
-    if not isinstance(data, list):
-        return []
-    if any(isinstance(item, list) or (isinstance(item, dict) and "frames" not in item) for item in data):
-        out = []
-        for item in data:
-            out.extend(parse_pyspy_json(item, pid=pid, rank=rank))
-        return out
-    # A flat list of threads; py-spy stamps each with its pid.
-    by_pid: dict[int | None, list[ThreadStack]] = {}
-    for item in data:
-        if isinstance(item, dict):
-            by_pid.setdefault(_int_or(item.get("pid"), pid), []).append(_pyspy_json_thread(item))
-    return [ProcessStack(p, rank, None, tuple(threads)) for p, threads in by_pid.items()]
-
-
-def _pyspy_json_thread(item: Mapping[str, Any]) -> ThreadStack:
-    frames = []
-    raw_frames = item.get("frames")
-    for raw in raw_frames if isinstance(raw_frames, list) else ():
-        if not isinstance(raw, dict):
-            continue
-        line = _int_or(raw.get("line"), None)
-        frames.append(Frame(
-            function=str(raw.get("name") or "?"),
-            file=str(raw.get("filename") or raw.get("short_filename") or ""),
-            line=line if line else None,  # py-spy reports native frames as line 0
-        ))
-    tid = item.get("os_thread_id") or item.get("thread_id")
-    return ThreadStack(
-        thread_id=None if tid is None else str(tid),
-        thread_name=_str_or_none(item.get("thread_name")),
-        frames=tuple(frames),
-        active=item.get("active") if isinstance(item.get("active"), bool) else None,
-        gil=item.get("owns_gil") if isinstance(item.get("owns_gil"), bool) else None,
-    )
-
-
-def _int_or(value: Any, default: int | None) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def _str_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
-
-
-def _decode_json_values(text: str) -> list[Any] | None:
-    """Every JSON value in `text` (py-spy dumps may be concatenated); None if not all JSON."""
-    decoder = json.JSONDecoder()
-    values, pos = [], 0
-    while True:
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-        if pos >= len(text):
-            return values
-        try:
-            value, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            return None
-        values.append(value)
-
 
 # ---------------------------------------------------------------------------
 # Text parsers
@@ -149,7 +58,6 @@ _OFFSET = re.compile(r"\s+\+\s+\d{1,12}$")
 # macOS crash reports: "3   libtorch_cpu.dylib   \t0x000000010a2f15f6 at::native::foo + 406"
 _MAC_CRASH_FRAME = re.compile(r"^\s*\d{1,4}\s+(?P<lib>\S+)\s+0x[0-9a-fA-F]+\s+(?P<rest>\S.*)$")
 _MAC_CRASH_THREAD = re.compile(r"^Thread (?P<num>\d+)(?: Crashed)?::?\s*(?P<desc>.*)$")
-_PYSPY_FRAME = re.compile(r"^(?P<indent>\s+)(?P<func>\S.*?)\s*\((?P<loc>[^()\s]*)\)\s*$")
 _PYSPY_LOCALS = re.compile(r"^(?P<indent>\s+)(?:Arguments|Locals):\s*$")
 _FAULT_THREAD = re.compile(
     r"^\s*(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)(?: \[(?P<name>[^\]]*)\])?"
@@ -204,7 +112,7 @@ def parse_stack_text(text: str) -> list[ProcessStack]:
              if not _SOURCE_LINE.match(line) and not _FENCE.match(line)]
     body = "\n".join(lines).strip()
     if body[:1] in ("[", "{"):
-        values = _decode_json_values(body)
+        values = decode_json_values(body)
         if values is not None:
             return [p for value in values for p in parse_pyspy_json(value)]
     processes: list[ProcessStack] = []
@@ -368,12 +276,8 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
             thread = new_thread(_ThreadBuilder("maccrash", m.group("num"), m.group("desc").strip() or None))
         elif thread is not None and thread.kind == "pyspy" and (m := _PYSPY_LOCALS.match(line)):
             skip_indent = len(m.group("indent"))
-        elif thread is not None and thread.kind == "pyspy" and (m := _PYSPY_FRAME.match(line)):
-            loc = m.group("loc")
-            file, _, lineno = loc.rpartition(":")
-            if not (file and lineno.isdigit()):
-                file, lineno = loc, ""
-            thread.frames.append(Frame(m.group("func"), file, _line(lineno)))
+        elif thread is not None and thread.kind == "pyspy" and (frame := _pyspy_frame(line)):
+            thread.frames.append(frame)
         elif m := _FAULT_FRAME.match(line):
             current("fault").frames.append(_frame(m))
         elif _GC_MARK.match(line):
@@ -413,6 +317,24 @@ def _scan(lines: list[str]) -> list[ProcessStack]:
               and thread.exception is None and not line[0].isspace() and _EXCEPTION.match(line)):
             thread.exception = line.strip()
     return [p.build() for p in processes if p.threads or p.pid is not None]
+
+
+def _pyspy_frame(line: str) -> Frame | None:
+    """An indented "func (file.py:12)" line: the location is inside the last parentheses.
+
+    Split by hand: the regex's lazy name before optional spaces backtracks over a long run
+    of blanks, quadratic in the line's length."""
+    body = line.rstrip()
+    cut = body.rfind("(")
+    if not (line[:1].isspace() and body.endswith(")") and cut > 0):
+        return None
+    func, loc = body[:cut].strip(), body[cut + 1:-1]
+    if not func or not loc.isprintable() or any(c in loc for c in "() \t"):
+        return None
+    file, _, lineno = loc.rpartition(":")
+    if not (file and lineno.isdigit()):
+        file, lineno = loc, ""
+    return Frame(func, file, _line(lineno))
 
 
 def _native_frame(rest: str, lib: str) -> Frame:
