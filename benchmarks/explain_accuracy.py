@@ -39,11 +39,8 @@ from trainwatch.diagnostics.xid import severity_rank
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explain"
 FIELDS = ("op", "rank", "xid", "severity")
 PARTS = ("dev", "retired", "heldout")
-PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 9, seen)", "heldout": "heldout (round 10)"}
-FIRST_UNSEEN_SCORE: dict[str, dict] = {
-    "heldout": {"round": 10, "texts": 49, "category_right": 41, "category_accuracy": 0.8367,
-                "top1_accuracy": 0.8367, "healthy_called_fault": 0, "scored_at": "78830b7"},
-}
+PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 10, seen)", "heldout": "heldout (round 11)"}
+FIRST_UNSEEN_SCORE: dict[str, dict] = {}
 """A held-out part's score from the run before any rule was written with its misses in view: the
 honest generalisation figure. Once its misses are studied the live figures below stop measuring it."""
 EARLIER_ROUNDS = (
@@ -64,13 +61,14 @@ EARLIER_ROUNDS = (
      "top1_accuracy": 0.8649, "healthy_called_fault": 0, "scored_at": "6eb905b"},
     {"round": 9, "texts": 52, "category_right": 40, "category_accuracy": 0.7692,
      "top1_accuracy": 0.7692, "healthy_called_fault": 0, "scored_at": "fc93010"},
+    {"round": 10, "texts": 49, "category_right": 41, "category_accuracy": 0.8367,
+     "top1_accuracy": 0.8367, "healthy_called_fault": 0, "scored_at": "78830b7"},
 )
 """First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
 corpus measured it), kept for the record."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
-"""Whether a part's misses have been looked at while writing rules. The round-10 held-out set's have
-been (lower-case "cuda error:", Caffe's CUDA checks, MXNet's cudaMalloc, Ascend's HCCL task
-time-out, Paddle's loss printed as a list): its first score is its figure."""
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
+"""Whether a part's misses have been looked at while writing rules. The round-11 held-out set's have
+not: its live figure is its generalisation figure until they are."""
 
 
 def _label(path: Path) -> dict:
