@@ -69,9 +69,9 @@ EARLIER_ROUNDS = (
 )
 """First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
 corpus measured it), kept for the record."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
 """Whether a part's misses have been looked at while writing rules. The round-11 held-out set's have
-not: its live figure is its generalisation figure until they are."""
+been (a data loader's own time-out): its first score is its figure."""
 
 
 def _label(path: Path) -> dict:

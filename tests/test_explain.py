@@ -1012,3 +1012,12 @@ def test_paddles_native_traceback_shows_a_rank_inside_an_nccl_all_reduce() -> No
 ])
 def test_caffe_mxnet_ascend_and_paddle_words_for_known_failures(line: str, category: str) -> None:
     assert [c for c, _ in _categories(line)] == [category]
+
+
+@pytest.mark.parametrize("line", [
+    "RuntimeError: DataLoader timed out after 120 seconds",
+    "Worker timed out after 120 seconds. This might be caused by ",
+])
+def test_a_data_loaders_own_time_out_is_a_data_stall(line: str) -> None:
+    (f,) = explain_inputs([("t.log", line.encode())])["findings"]
+    assert (f["category"], f["severity"], f["runbook"]) == ("dataloader", "medium", "dataloader-stall")

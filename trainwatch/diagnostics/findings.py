@@ -32,6 +32,8 @@ ERROR_CATEGORIES: dict[str, tuple[str, str]] = {
     "oom": ("medium", "oom"),
     "child_failed": ("medium", "child-failed"),
     "dataloader_worker_killed": ("medium", "dataloader-worker-killed"),
+    # A data loader's own time-out: the loop waited longer for a batch than it allows.
+    "dataloader": ("medium", "dataloader-stall"),
     # Loss health read from framework log lines (loss_health.py); the same incident
     # kinds and runbooks as the live detectors. A collapse below scale 1 is "high".
     "loss_nan": ("critical", "loss-nan"),

@@ -412,6 +412,10 @@ RULES: tuple[LineRule, ...] = (
     LineRule("mpirun-signalled", "noticed", "child_failed", re.compile(
         r"noticed\s*that\s*process\s*rank\s*(?P<rank>\d{1,9})\s*with\s*PID\s*(?P<pid>\d{1,12})\s*on\s*node\s*\S+"
         r"\s*exited\s*on\s*signal\s*(?P<num>\d{1,3})"), mpi_signalled),
+    # A data loader's time-out for one batch: torch's "DataLoader timed out after 120 seconds",
+    # MXNet Gluon's "Worker timed out after 120 seconds".
+    LineRule("dataloader-timeout", "timed out after", "dataloader", re.compile(
+        r"(?:DataLoader|Worker)\s*timed\s*out\s*after\s*\d{1,9}\s*seconds"), _nothing),
     LineRule("dataloader-killed", "dataloader", "dataloader_worker_killed", re.compile(
         r"DataLoader\s*worker\s*(?:\(pid(?:\(s\))?\s*(?P<pids>\d[\d,\s]*)\)\s*)?"
         r"(?:is\s*killed\s*by\s*signal\s*:\s*(?P<sig>[A-Za-z ]+)|exited\s*unexpectedly"
