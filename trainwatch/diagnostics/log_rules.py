@@ -48,6 +48,7 @@ def _words(phrase: str) -> str:
 
 
 _INT = r"-?\d+"
+_CUDA_CHECK = r"cudaSuccess\s*\(\d{1,3}\s*vs\.\s*0\)"  # a failed glog CUDA check (Caffe, CUDA extensions)
 _WORK = r"WorkNCCL\s*\((?P<body>(?:[^()]|\(\s*ms\s*\))*)\)"
 # "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.18.1"
 _NCCL_DESC = r"(?P<desc>[^,(]+?)\s*(?=[,(]|$)(?:\([^)]*\))?(?:\s*,\s*NCCL\s*version\s*(?P<ver>[\w.+-]+))?"
@@ -156,6 +157,11 @@ def _nccl_async(m: re.Match[str]) -> dict:
     return {**_work(m), **nccl_line(m)}
 
 
+def _rank_list(m: re.Match[str]) -> list[int]:
+    """The ranks a message lists ("Ranks 1, 3 failed ...", "rank=[1, 2, 3]")."""
+    return [int(r) for r in re.findall(r"\d+", m.group("ranks"))]
+
+
 def _nothing(m: re.Match[str]) -> dict:
     """A message whose only fact is its category."""
     return {}
@@ -202,7 +208,7 @@ RULES: tuple[LineRule, ...] = (
     # monitoredBarrier in 1800000 ms".
     LineRule("monitored-barrier", "monitoredbarrier", "collective_timeout", re.compile(
         r"Ranks?\s*(?P<ranks>\d{1,9}(?:\s*,\s*\d{1,9}){0,63})\s*failed\s*to\s*pass\s*monitoredBarrier"),
-        lambda m: {"op": "BARRIER", "ranks": [int(r) for r in re.findall(r"\d+", m.group("ranks"))]}),
+        lambda m: {"op": "BARRIER", "ranks": _rank_list(m)}),
     # Huawei's HCCL on Ascend NPUs: "hccl fftsplus task timeout occurred during task execution".
     LineRule("hccl-task-timeout", "hccl", "collective_timeout", re.compile(
         r"(?i)\bhccl\b.{0,40}?task\s*timeout"), _nothing),
@@ -309,7 +315,7 @@ RULES: tuple[LineRule, ...] = (
         _words("illegal memory access was encountered") + r"|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS"),
         _nothing, family="cuda"),
     LineRule("cuda-misaligned-address", "misaligned", "illegal_memory_access", re.compile(
-        r"\b(?i:CUDA\s*error)\s*:\s*misaligned\s*address|cudaSuccess\s*\(\d{1,3}\s*vs\.\s*0\)\s*misaligned\s*address"
+        r"\b(?i:CUDA\s*error)\s*:\s*misaligned\s*address|" + _CUDA_CHECK + r"\s*misaligned\s*address"
         r"|cudaErrorMisalignedAddress|CUDA_ERROR_MISALIGNED_ADDRESS"),
         _nothing, family="cuda"),
     # ROCm's words for the same fault: "Memory access fault by GPU node-1 (...) on address 0x..."
@@ -350,10 +356,10 @@ RULES: tuple[LineRule, ...] = (
     # "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED".
     LineRule("cuda-malloc-oom", "memory", "oom", re.compile(
         r"\bcudaErrorMemoryAllocation\b|cudaMalloc\w{0,12}\s*failed\s*:?\s*out\s*of\s*memory"
-        r"|cudaSuccess\s*\(\d{1,3}\s*vs\.\s*0\)\s*out\s*of\s*memory"), _nothing, family="cuda"),
+        r"|" + _CUDA_CHECK + r"\s*out\s*of\s*memory"), _nothing, family="cuda"),
     # Caffe's and glog's CUDA check: "Check failed: error == cudaSuccess (74 vs. 0)  misaligned address".
     LineRule("cuda-check-glog", "cudasuccess", "cuda_error", re.compile(
-        r"Check\s*failed:\s*\w{1,20}\s*==\s*cudaSuccess\s*\(\d{1,3}\s*vs\.\s*0\)\s*(?P<msg>\S.{0,200})"),
+        r"Check\s*failed:\s*\w{1,20}\s*==\s*" + _CUDA_CHECK + r"\s*(?P<msg>\S.{0,200})"),
         cuda_message, family="cuda"),
     LineRule("cuda-driver-oom", "cuda_error", "oom", re.compile(r"\bCUDA_ERROR_OUT_OF_MEMORY\b"),
              _nothing, family="cuda"),
@@ -403,7 +409,7 @@ RULES: tuple[LineRule, ...] = (
     # Paddle's launcher: "ABORT!!! Out of all 4 trainers, the trainer process with rank=[1, 2, 3] was aborted."
     LineRule("paddle-trainers-aborted", "abort", "child_failed", re.compile(
         r"Out\s*of\s*all\s*\d{1,9}\s*trainers,\s*the\s*trainer\s*process\s*with\s*rank=\[(?P<ranks>[\d,\s]{1,400})\]"
-        r"\s*was\s*aborted"), lambda m: {"ranks": [int(r) for r in re.findall(r"\d+", m.group("ranks"))]}),
+        r"\s*was\s*aborted"), lambda m: {"ranks": _rank_list(m)}),
     LineRule("subprocess-signalled", "died with", "child_failed", re.compile(
         r"died\s*with\s*<Signals\.(?P<sig>SIG[A-Z]{2,6}):\s*(?P<num>\d{1,3})>"), signal_died),
     LineRule("srun-task-signalled", "srun", "child_failed", re.compile(

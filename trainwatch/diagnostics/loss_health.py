@@ -138,7 +138,7 @@ def _series(lines: list[str]) -> tuple[list[tuple[float, str]], list[tuple[str, 
         values = [v for m in found if (v := _value(m.group("value"))) is not None]
         if not values and (m := _BARE_PAIR.match(line)) and (v := _value(m.group("value"))) is not None:
             values = [v]
-        if not any(not math.isfinite(v) for v in values) and _METER_NAN.search(line):
+        if ("nan" in lower or "inf" in lower) and all(map(math.isfinite, values)) and _METER_NAN.search(line):
             values = [math.nan]
         if values:
             metrics.append((next((v for v in values if not math.isfinite(v)), values[0]), line))
