@@ -381,22 +381,62 @@ def test_mismatch_ras_style_enqueued_seq_difference():
     assert inc.evidence["behind"] == {3: 811}
 
 
-def test_mismatch_ras_on_a_steady_job_compares_after_its_own_hang_threshold():
-    """A steady job (the hang detector's threshold_steady in force, wired by
-    default_detectors) has its parked ranks compared after that threshold, not
-    the conservative stall_s: watched from 0.5 s and settled by the threshold itself (1.0 s
-    later, three sampler rounds), not settle_s (1.5 s) after it was first watched."""
+def sampled_ticks(det, t, n: int = 60, *, nodes=None, rebase_jitter: float = 0.0, starved_after: float = 1e9) -> list:
+    """Ticks every 0.1 s from 100 s over a stalled table whose ranks' samplers run every
+    0.2 s as the rank's does, each sample moving the process CPU time; after `starved_after`
+    the samplers take no new sample and only summaries re-read the last one, their times
+    rebased with up to `rebase_jitter` s of jitter. [(time, incident)] in the order found."""
+    rng = np.random.default_rng(5)
+    seen, hb, cpu = [], 100.0, 1.0
+    for i in range(1, n):
+        now = round(100.0 + i * 0.1, 6)
+        if i % 2 == 0 and now < starved_after:
+            hb, cpu = now, cpu + 0.001
+        t["heartbeat_mono"] = hb + rng.uniform(-rebase_jitter, rebase_jitter, len(t))
+        t["cpu_s"] = cpu
+        seen += [(now, inc) for inc in det.check(view(t, now, nodes=nodes))]
+    return seen
+
+
+def steady_mismatch_detector():
     from trainwatch.watchdog.detectors import default_detectors
 
     det = next(d for d in default_detectors() if d.name == "collective_mismatch")
     assert det.steady_s() == float("inf")  # not steady yet: stall_s as before
     det.steady_s = lambda: 1.5
+    return det
+
+
+def test_mismatch_ras_on_a_steady_job_compares_after_half_its_own_hang_threshold():
+    """A steady job (the hang detector's threshold_steady in force, wired by
+    default_detectors) has its parked ranks compared from half that threshold
+    (0.75 s, not under 0.8 s), not the conservative stall_s: ranks that all wait in
+    collectives yet disagree are evidence no slowness gives. Watched from 0.3 s,
+    settled 0.5 s later and re-read by three samples of the rank's 0.2 s sampler."""
+    det = steady_mismatch_detector()
     t = stalled_table(100.0)
     set_rows(t, [0, 1, 2, 3], step_s=0.1)  # steady 100 ms steps
     set_rows(t, 3, enqueued=811, completed=810)
-    seen = ras_ticks(det, t)
+    seen = sampled_ticks(det, t)
     assert seen and seen[0][1].culprit_ranks == [3]
-    assert 101.5 <= seen[0][0] <= 101.7, seen[0][0]
+    assert 100.8 <= seen[0][0] <= 101.0, seen[0][0]
+    # A rank that publishes no CPU time: rounds are heartbeats 0.3 s apart, as before.
+    t["cpu_s"] = np.nan
+    seen = ras_ticks(steady_mismatch_detector(), t)
+    assert seen and 101.2 <= seen[0][0] <= 101.7, seen[0][0]
+
+
+def test_mismatch_ras_counts_a_sample_re_read_with_rebased_times_once():
+    """A starved sampler (a rank's last sample, from before it moved on) re-read on
+    every half-second summary with freshly rebased times is one sample: its CPU time
+    does not move, so no later round confirms it and nothing is compared."""
+    t = stalled_table(100.0)
+    set_rows(t, [0, 1, 2, 3], step_s=0.1)
+    set_rows(t, 3, enqueued=811, completed=810)
+    nodes = ["a", "a", "b", "b"]
+    assert sampled_ticks(steady_mismatch_detector(), t, 80, nodes=nodes, rebase_jitter=0.4, starved_after=100.35) == []
+    # The same rows from samplers that keep sampling: the desync is found.
+    assert sampled_ticks(steady_mismatch_detector(), t, 80, nodes=nodes, rebase_jitter=0.4)
 
 
 def test_mismatch_ras_style_op_difference_names_minority():

@@ -46,12 +46,15 @@ from trainwatch.watchdog.incident import Incident, describe_ranks
 _COLLECTIVE = slots.PHASE_CODES["collective"]
 _DONE = slots.PHASE_CODES["done"]
 _MAX_LISTED = 32
-_TRACK_MIN_S = 0.5
+_TRACK_MIN_S = 0.3
 """Ranks this long without a step are the earliest whose sequence numbers are watched (s)."""
-_SETTLE_MIN_S = 1.0
-"""The shortest settle: on a steady job whose own hang threshold leaves less than settle_s
-after its ranks are first watched, numbers unchanged this long (and re-read by settle_rounds
-sampler rounds) are compared, so the desync is called at that threshold, not settle_s after (s)."""
+_SETTLE_MIN_S = 0.5
+"""The shortest settle: on a steady job, numbers unchanged this long (and re-read by
+settle_rounds sampler rounds) are compared (s)."""
+_STEADY_STALL_MIN_S = 0.8
+"""The earliest a steady job's parked ranks are compared (s). A disagreement among ranks that
+all wait in collectives is positive evidence that no slowness produces, so it needs less
+time than a hang (the hang detector's steady threshold): half that threshold, not under this."""
 _SOURCES = {
     "colls": ("py_collectives", "Python collectives on world-spanning groups"),
     "seq": ("default_pg_seq", "collectives on the default process group"),
@@ -78,8 +81,9 @@ class CollectiveMismatchConfig:
     """...and re-read unchanged by this many later sampler rounds of the rank (heartbeats), so a
     snapshot its sampler took before it moved on (a starved sampler thread) is never compared (rounds)."""
     round_min_s: float = 0.3
-    """Heartbeats closer than this may be one sample seen twice (the multi-node aggregator rebases
-    a node's times with a fresh offset on every summary): they count as one round (s)."""
+    """Of a rank that publishes no CPU time: heartbeats closer than this may be one sample seen twice
+    (the multi-node aggregator rebases a node's times with a fresh offset on every summary): they
+    count as one round (s). A rank's CPU time tells a new sample from a re-read one at once."""
     heartbeat_stale_s: float = 2.0
     """A rank whose heartbeat is older holds the GIL or is stopped; it is hung, not desynced (s)."""
 
@@ -118,6 +122,7 @@ class CollectiveMismatchDetector(Detector):
         self._since = np.zeros((0, slots.MAX_GROUPS))
         self._rounds = np.zeros((0, slots.MAX_GROUPS), dtype=np.int64)
         self._hb = np.zeros(0)
+        self._cpu = np.zeros(0)
         # The step and pid each rank had when last looked at: a new step (or a
         # new process) restarts its clocks. Not its progress time: a remote
         # node's times are rebased on every summary and never read equal twice.
@@ -134,6 +139,7 @@ class CollectiveMismatchDetector(Detector):
         self._since = grow(self._since, size, 0.0)
         self._rounds = grow(self._rounds, size, 0)
         self._hb = grow(self._hb, size, 0.0)
+        self._cpu = grow(self._cpu, size, np.nan)
         self._tracked = grow(self._tracked, size, -1)
         _, restarted = self._steps.update(t)
         if restarted.any():
@@ -264,8 +270,11 @@ class CollectiveMismatchDetector(Detector):
         # Only ranks without a step for a while can be stalled; skipping the
         # others keeps a healthy 4096-rank tick cheap.
         # A steady job's ranks are parked for good well before the conservative
-        # stall_s: their numbers are watched early enough to have settled by then.
-        stall_s = min(cfg.stall_s, self.steady_s())
+        # stall_s, and ranks that all wait in collectives yet disagree are
+        # evidence no slowness gives: compared from half its hang threshold,
+        # watched early enough to have settled by then.
+        steady = self.steady_s()
+        stall_s = min(cfg.stall_s, max(_STEADY_STALL_MIN_S, steady / 2)) if steady < cfg.stall_s else cfg.stall_s
         track_s = min(cfg.settle_s, max(_TRACK_MIN_S, stall_s - cfg.settle_s))
         settle_s = min(cfg.settle_s, max(_SETTLE_MIN_S, stall_s - track_s))
         rows = np.nonzero(age >= track_s)[0]
@@ -287,12 +296,18 @@ class CollectiveMismatchDetector(Detector):
         changed = (fresh[:, None] | (enq != self._enq[ranks, :width]) | (pgs != self._pg[ranks, :width])
                    | (done != self._done[ranks, :width]))
         since = np.where(changed, now, self._since[ranks, :width])
-        # Sampler rounds that re-read the same numbers: a heartbeat newer than
-        # the last counted one by at least round_min_s is a new round.
+        # Sampler rounds that re-read the same numbers. A new round is a sample
+        # the rank took since: its process CPU time moved (the sampler's own
+        # work moves it; a rebased time does not), or, where the rank publishes
+        # none, a heartbeat at least round_min_s newer.
         hb = sub["heartbeat_mono"]
-        new_round = (hb > 0) & (hb - self._hb[ranks] >= cfg.round_min_s)
+        cpu = sub["cpu_s"]
+        new_round = (hb > 0) & np.where(np.isfinite(cpu), cpu != self._cpu[ranks],
+                                        hb - self._hb[ranks] >= cfg.round_min_s)
         rounds = np.where(changed, 0, self._rounds[ranks, :width] + new_round[:, None])
-        self._hb[ranks] = np.where(new_round | changed.any(axis=1), hb, self._hb[ranks])
+        keep = new_round | changed.any(axis=1)
+        self._hb[ranks] = np.where(keep, hb, self._hb[ranks])
+        self._cpu[ranks] = np.where(keep, cpu, self._cpu[ranks])
         self._enq[ranks, :width] = enq
         self._done[ranks, :width] = done
         self._pg[ranks, :width] = pgs
