@@ -13,38 +13,18 @@ facts; nothing is inferred from defaults or typical values.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Callable
 
 from trainwatch.diagnostics.desync_reports import FINGERPRINT_MISMATCH, fingerprint_facts
-from trainwatch.diagnostics.process_facts import (
-    bus_error,
-    cuda_message,
-    dataloader_facts,
-    device_assert,
-    elastic_failed,
-    elastic_squashed,
-    launcher_exit,
-    mpi_signalled,
-    old_cuda_message,
-    oom_facts,
-    signal_died,
-    signal_name,
-    spawn_exited,
-    task_signalled,
-    to_bytes,
-)
+from trainwatch.diagnostics.line_rule import LineRule, nothing as _nothing, rank_list as _rank_list
+from trainwatch.diagnostics.line_rule import words as _words
+# signal_name and to_bytes are read through this module too (logparse, tests).
+from trainwatch.diagnostics.process_facts import (cuda_message, device_assert, old_cuda_message, oom_facts,
+                                                  signal_name, to_bytes)
+from trainwatch.diagnostics.process_rules import PROCESS_RULES
 from trainwatch.diagnostics.nccl_facts import (nccl_code, nccl_line, nccl_mismatch_rank, nccl_peer_lost, nccl_retcode,
                                                 nccl_size_mismatch)
 
-
-def _words(phrase: str) -> str:
-    """Regex for a phrase whose spaces may be lost or doubled.
-
-    Terminals and issue trackers wrap long messages; joining the pieces back
-    drops or doubles the space at the break, so every word gap is optional.
-    """
-    return r"\s*".join(re.escape(word) for word in phrase.split())
+__all__ = ["RULES", "LineRule", "may_hold_message", "signal_name", "to_bytes"]
 
 
 _INT = r"-?\d+"
@@ -52,28 +32,6 @@ _CUDA_CHECK = r"cudaSuccess\s*\(\d{1,3}\s*vs\.\s*0\)"  # a failed glog CUDA chec
 _WORK = r"WorkNCCL\s*\((?P<body>(?:[^()]|\(\s*ms\s*\))*)\)"
 # "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.18.1"
 _NCCL_DESC = r"(?P<desc>[^,(]+?)\s*(?=[,(]|$)(?:\([^)]*\))?(?:\s*,\s*NCCL\s*version\s*(?P<ver>[\w.+-]+))?"
-
-
-@dataclass(frozen=True, slots=True)
-class LineRule:
-    """One message form: the regex that finds it and how to read its facts."""
-
-    name: str
-    """Short id naming the message form in the table."""
-    needle: str
-    """Lower-case word every instance contains; without it the regex is not tried."""
-    category: str
-    """Error category the message proves."""
-    pattern: re.Pattern[str]
-    """Compiled regex; its named groups carry the facts."""
-    read: Callable[[re.Match[str]], dict]
-    """Match -> facts (finding fields and extra keys)."""
-    role: str = "finding"
-    """"finding"; "support" (only adds facts to a finding); "hint" (dropped beside a specific CUDA finding)."""
-    family: str = ""
-    """Rules of one family are exclusive on a line: the first listed wins."""
-    runbook: str | None = None
-    """Runbook for this message when it is more specific than its category's; None: the category's."""
 
 
 def _kv(body: str) -> dict[str, str]:
@@ -155,16 +113,6 @@ def _stuck(m: re.Match[str]) -> dict:
 def _nccl_async(m: re.Match[str]) -> dict:
     """A collective that raised an async NCCL error: the work record plus the code."""
     return {**_work(m), **nccl_line(m)}
-
-
-def _rank_list(m: re.Match[str]) -> list[int]:
-    """The ranks a message lists ("Ranks 1, 3 failed ...", "rank=[1, 2, 3]")."""
-    return [int(r) for r in re.findall(r"\d+", m.group("ranks"))]
-
-
-def _nothing(m: re.Match[str]) -> dict:
-    """A message whose only fact is its category."""
-    return {}
 
 
 def _gloo_timeout(m: re.Match[str]) -> dict:
@@ -391,53 +339,7 @@ RULES: tuple[LineRule, ...] = (
     LineRule("xla-oom", "resource_exhausted", "oom", re.compile(
         r"RESOURCE_EXHAUSTED\s*:\s*(?:Out\s*of\s*memory|Failed\s*to\s*allocate)"), _nothing),
     LineRule("tf-oom", "oom when", "oom", re.compile(_words("OOM when allocating tensor")), _nothing),
-    # -- processes -------------------------------------------------------------------
-    LineRule("elastic-failed", "exitcode", "child_failed", re.compile(
-        r"failed\s*\(exitcode:\s*(?P<exit>-?\d+)\)\s*local_rank:\s*(?P<local>\d+)\s*\(pid:\s*(?P<pid>\d+)\)"),
-        elastic_failed),
-    # DeepSpeed's launcher: "[launch.py:320:sigkill_handler] ['python', ...] exits with return code = -9".
-    LineRule("deepspeed-launcher-exit", "return code", "child_failed", re.compile(
-        r"\]\s*exits\s*with\s*return\s*code\s*=\s*(?P<exit>-?\d{1,4})"), launcher_exit),
-    # A ChildFailedError summary whose line breaks were lost in the paste:
-    # "rank2 (local rank: 2)exitcode: -9 (pid: 36071)error file: <N/A>".
-    LineRule("elastic-summary-squashed", "exitcode", "child_failed", re.compile(
-        r"(?i)\brank\s*:?\s*(?P<rank>\d{1,9})\s*\(local[_ ]rank:\s*(?P<local>\d{1,9})\)\s*"
-        r"exitcode\s*:\s*(?P<exit>-?\d{1,12})\s*\(pid:\s*(?P<pid>\d{1,12})\)"), elastic_squashed),
-    LineRule("spawn-exited", "terminated", "child_failed", re.compile(
-        r"\bprocess\s*(?P<local>\d{1,6})\s*terminated\s*with\s*(?:signal\s*(?P<sig>SIG[A-Z]{2,6})"
-        r"|exit\s*code\s*(?P<exit>-?\d{1,4}))"), spawn_exited),
-    # Paddle's launcher: "ABORT!!! Out of all 4 trainers, the trainer process with rank=[1, 2, 3] was aborted."
-    LineRule("paddle-trainers-aborted", "abort", "child_failed", re.compile(
-        r"Out\s*of\s*all\s*\d{1,9}\s*trainers,\s*the\s*trainer\s*process\s*with\s*rank=\[(?P<ranks>[\d,\s]{1,400})\]"
-        r"\s*was\s*aborted"), lambda m: {"ranks": _rank_list(m)}),
-    LineRule("subprocess-signalled", "died with", "child_failed", re.compile(
-        r"died\s*with\s*<Signals\.(?P<sig>SIG[A-Z]{2,6}):\s*(?P<num>\d{1,3})>"), signal_died),
-    LineRule("srun-task-signalled", "srun", "child_failed", re.compile(
-        r"srun:\s*error:\s*\S+:\s*tasks?\s*(?P<task>[\d,\-]+):\s*(?P<what>Killed|Segmentation fault|Bus error|Aborted)"),
-        task_signalled),
-    LineRule("mpirun-signalled", "noticed", "child_failed", re.compile(
-        r"noticed\s*that\s*process\s*rank\s*(?P<rank>\d{1,9})\s*with\s*PID\s*(?P<pid>\d{1,12})\s*on\s*node\s*\S+"
-        r"\s*exited\s*on\s*signal\s*(?P<num>\d{1,3})"), mpi_signalled),
-    # A data loader's time-out for one batch: torch's "DataLoader timed out after 120 seconds",
-    # MXNet Gluon's "Worker timed out after 120 seconds".
-    LineRule("dataloader-timeout", "timed out after", "dataloader", re.compile(
-        r"(?:DataLoader|Worker)\s*timed\s*out\s*after\s*\d{1,9}\s*seconds"), _nothing),
-    LineRule("dataloader-killed", "dataloader", "dataloader_worker_killed", re.compile(
-        r"DataLoader\s*worker\s*(?:\(pid(?:\(s\))?\s*(?P<pids>\d[\d,\s]*)\)\s*)?"
-        r"(?:is\s*killed\s*by\s*signal\s*:\s*(?P<sig>[A-Za-z ]+)|exited\s*unexpectedly"
-        r"(?:\s*with\s*exit\s*code\s*(?P<exit>-?\d+))?)"), dataloader_facts),
-    LineRule("dataloader-bus-error", "bus", "dataloader_worker_killed", re.compile(
-        r"(?i)Unexpected\s*bus\s*error\s*encountered\s*in\s*(?:DataLoader\s*)?worker"), bus_error),
-    LineRule("dataloader-fds", "no longer possible", "dataloader_worker_killed", re.compile(
-        _words("Communication with the workers is no longer possible")), _nothing),
-    LineRule("dataloader-worker-segv", "encountered in worker", "dataloader_worker_killed", re.compile(
-        r"(?i)Unexpected\s*(?:segmentation\s*fault|floating-point\s*exception)\s*encountered\s*in\s*"
-        r"(?:DataLoader\s*)?worker"), _nothing),
-    # Shared memory full while a worker hands a batch over (/dev/shm too small in a container):
-    # "unable to write to file </torch_18692_1954506624>: No space left on device (28)".
-    LineRule("dataloader-shm", "torch_", "dataloader_worker_killed", re.compile(
-        r"unable\s*to\s*(?:write\s*to\s*file|open\s*shared\s*memory\s*object)\s*</torch_\d"), _nothing),
-)
+) + PROCESS_RULES
 
 # Cheap pre-filter: a line containing none of these (lower-cased) words
 # cannot start a message in RULES, so the rule loop and the wrap-joining skip

@@ -1,0 +1,69 @@
+"""Log rules for processes and data loaders: launchers reporting a worker that died (torchelastic,
+mp.spawn, DeepSpeed, Paddle, srun, mpirun) and DataLoader workers that were killed or timed out.
+Appended to log_rules.RULES, after every other rule."""
+
+from __future__ import annotations
+
+import re
+
+from trainwatch.diagnostics.line_rule import LineRule, nothing as _nothing, rank_list as _rank_list, words as _words
+from trainwatch.diagnostics.process_facts import (
+    bus_error,
+    dataloader_facts,
+    elastic_failed,
+    elastic_squashed,
+    launcher_exit,
+    mpi_signalled,
+    signal_died,
+    spawn_exited,
+    task_signalled,
+)
+
+PROCESS_RULES: tuple[LineRule, ...] = (
+    # -- processes -------------------------------------------------------------------
+    LineRule("elastic-failed", "exitcode", "child_failed", re.compile(
+        r"failed\s*\(exitcode:\s*(?P<exit>-?\d+)\)\s*local_rank:\s*(?P<local>\d+)\s*\(pid:\s*(?P<pid>\d+)\)"),
+        elastic_failed),
+    # DeepSpeed's launcher: "[launch.py:320:sigkill_handler] ['python', ...] exits with return code = -9".
+    LineRule("deepspeed-launcher-exit", "return code", "child_failed", re.compile(
+        r"\]\s*exits\s*with\s*return\s*code\s*=\s*(?P<exit>-?\d{1,4})"), launcher_exit),
+    # A ChildFailedError summary whose line breaks were lost in the paste:
+    # "rank2 (local rank: 2)exitcode: -9 (pid: 36071)error file: <N/A>".
+    LineRule("elastic-summary-squashed", "exitcode", "child_failed", re.compile(
+        r"(?i)\brank\s*:?\s*(?P<rank>\d{1,9})\s*\(local[_ ]rank:\s*(?P<local>\d{1,9})\)\s*"
+        r"exitcode\s*:\s*(?P<exit>-?\d{1,12})\s*\(pid:\s*(?P<pid>\d{1,12})\)"), elastic_squashed),
+    LineRule("spawn-exited", "terminated", "child_failed", re.compile(
+        r"\bprocess\s*(?P<local>\d{1,6})\s*terminated\s*with\s*(?:signal\s*(?P<sig>SIG[A-Z]{2,6})"
+        r"|exit\s*code\s*(?P<exit>-?\d{1,4}))"), spawn_exited),
+    # Paddle's launcher: "ABORT!!! Out of all 4 trainers, the trainer process with rank=[1, 2, 3] was aborted."
+    LineRule("paddle-trainers-aborted", "abort", "child_failed", re.compile(
+        r"Out\s*of\s*all\s*\d{1,9}\s*trainers,\s*the\s*trainer\s*process\s*with\s*rank=\[(?P<ranks>[\d,\s]{1,400})\]"
+        r"\s*was\s*aborted"), lambda m: {"ranks": _rank_list(m)}),
+    LineRule("subprocess-signalled", "died with", "child_failed", re.compile(
+        r"died\s*with\s*<Signals\.(?P<sig>SIG[A-Z]{2,6}):\s*(?P<num>\d{1,3})>"), signal_died),
+    LineRule("srun-task-signalled", "srun", "child_failed", re.compile(
+        r"srun:\s*error:\s*\S+:\s*tasks?\s*(?P<task>[\d,\-]+):\s*(?P<what>Killed|Segmentation fault|Bus error|Aborted)"),
+        task_signalled),
+    LineRule("mpirun-signalled", "noticed", "child_failed", re.compile(
+        r"noticed\s*that\s*process\s*rank\s*(?P<rank>\d{1,9})\s*with\s*PID\s*(?P<pid>\d{1,12})\s*on\s*node\s*\S+"
+        r"\s*exited\s*on\s*signal\s*(?P<num>\d{1,3})"), mpi_signalled),
+    # A data loader's time-out for one batch: torch's "DataLoader timed out after 120 seconds",
+    # MXNet Gluon's "Worker timed out after 120 seconds".
+    LineRule("dataloader-timeout", "timed out after", "dataloader", re.compile(
+        r"(?:DataLoader|Worker)\s*timed\s*out\s*after\s*\d{1,9}\s*seconds"), _nothing),
+    LineRule("dataloader-killed", "dataloader", "dataloader_worker_killed", re.compile(
+        r"DataLoader\s*worker\s*(?:\(pid(?:\(s\))?\s*(?P<pids>\d[\d,\s]*)\)\s*)?"
+        r"(?:is\s*killed\s*by\s*signal\s*:\s*(?P<sig>[A-Za-z ]+)|exited\s*unexpectedly"
+        r"(?:\s*with\s*exit\s*code\s*(?P<exit>-?\d+))?)"), dataloader_facts),
+    LineRule("dataloader-bus-error", "bus", "dataloader_worker_killed", re.compile(
+        r"(?i)Unexpected\s*bus\s*error\s*encountered\s*in\s*(?:DataLoader\s*)?worker"), bus_error),
+    LineRule("dataloader-fds", "no longer possible", "dataloader_worker_killed", re.compile(
+        _words("Communication with the workers is no longer possible")), _nothing),
+    LineRule("dataloader-worker-segv", "encountered in worker", "dataloader_worker_killed", re.compile(
+        r"(?i)Unexpected\s*(?:segmentation\s*fault|floating-point\s*exception)\s*encountered\s*in\s*"
+        r"(?:DataLoader\s*)?worker"), _nothing),
+    # Shared memory full while a worker hands a batch over (/dev/shm too small in a container):
+    # "unable to write to file </torch_18692_1954506624>: No space left on device (28)".
+    LineRule("dataloader-shm", "torch_", "dataloader_worker_killed", re.compile(
+        r"unable\s*to\s*(?:write\s*to\s*file|open\s*shared\s*memory\s*object)\s*</torch_\d"), _nothing),
+)
