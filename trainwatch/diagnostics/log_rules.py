@@ -50,7 +50,7 @@ def _int(value: str | None) -> int | None:
 
 def _work(m: re.Match[str]) -> dict:
     """Facts of a WorkNCCL(SeqNum=..., OpType=..., Timeout(ms)=...) record."""
-    kv = _kv(m.group("body"))
+    kv = _kv(m.groupdict().get("body") or "")  # a line quoted without its record
     facts = {
         "seq": _int(kv.get("SeqNum")),
         "op": kv.get("OpType"),
@@ -130,7 +130,10 @@ def _gloo_peer(m: re.Match[str]) -> dict:
 RULES: tuple[LineRule, ...] = (
     # -- collective timeouts -------------------------------------------------
     LineRule("nccl-watchdog-timeout", "caught", "collective_timeout", re.compile(
-        r"[Cc]aught\s*collective\s*operation\s*timeout\s*:?\s*" + _WORK), _work),
+        r"[Cc]aught\s*collective\s*operation\s*timeout\s*:?\s*" + _WORK), _work, family="watchdog-timeout"),
+    # The same line quoted without its WorkNCCL record (the record stays unknown).
+    LineRule("nccl-watchdog-timeout-bare", "caught", "collective_timeout", re.compile(
+        r"[Cc]aught\s*collective\s*operation\s*timeout\b"), _work, family="watchdog-timeout"),
     LineRule("nccl-blocking-wait", "blocking", "collective_timeout", re.compile(
         r"Work\s*" + _WORK + r"\s*" + _words("timed out in blocking wait")), _work),
     LineRule("nccl-timeout-at-work", "enqueued", "collective_timeout", re.compile(
@@ -194,13 +197,17 @@ RULES: tuple[LineRule, ...] = (
         r"\bRendezvous(?:Timeout|Closed|Connection)Error\b"), _nothing),
     # The store's own words: a get or wait that timed out ("Socket Timeout"), the barrier
     # init_process_group runs on it, a server that cannot listen (the port is taken).
-    LineRule("store-socket-timeout", "socket timeout", "heartbeat_timeout", re.compile(r"^(?!.*ncclUniqueId).*?\bSocket Timeout\b"),
+    LineRule("store-socket-timeout", "socket timeout", "heartbeat_timeout", re.compile(r"\bSocket\s*Timeout\b"),
              _nothing),
     LineRule("store-barrier-timeout", "store based barrier", "heartbeat_timeout", re.compile(
         _words("Timed out initializing process group in store based barrier")), _nothing),
     LineRule("store-listen-failed", "the server socket", "heartbeat_timeout", re.compile(
         _words("The server socket has failed to") + r"\s*(?:listen\s*on\s*any\s*local\s*network\s*address|"
         r"(?:listen\s*on|bind\s*to)\s*\S+\s*\(errno:\s*98\b)"), _nothing),
+    # torch's TCPStore server when its port is taken: "RuntimeError: Address already in use".
+    LineRule("store-address-in-use", "already in use", "heartbeat_timeout", re.compile(
+        r"(?:RuntimeError|DistNetworkError|DistStoreError)\s*:\s*(?:\[Errno\s*98\]\s*)?Address\s*already\s*in\s*use"),
+        _nothing),
     LineRule("store-connect-timeout", "timed out", "heartbeat_timeout", re.compile(
         _words("The client socket has timed out after") + r"\s*(?P<secs>\d{1,9})m?s\s*"
         + _words("while trying to connect to")), _nothing),
@@ -233,7 +240,7 @@ RULES: tuple[LineRule, ...] = (
     # store->get('0') got error: Connection reset by peer").
     LineRule("nccl-unique-id", "nccluniqueid", "nccl_error", re.compile(
         _words("is setting up NCCL communicator and retrieving ncclUniqueId from") + r"\s*\[(?P<peer>\d{1,9})\]"
-        + r".{0,200}?" + _words("got error:") + r"\s*(?P<why>[^.]{1,80})"), _nothing),
+        + r".{0,200}?" + _words("got error:") + r"(?!\s*Socket\s*Timeout)\s*(?P<why>[^.]{1,80})"), _nothing),
     # Other frameworks name the NCCL call that failed: "ncclCommInitRank failed: unhandled system error".
     LineRule("nccl-call-failed", "nccl", "nccl_error", re.compile(
         r"\bnccl[A-Z]\w{2,40}(?:\(\))?\s*failed\s*:\s*(?:nccl[A-Z]\w{2,40}(?:\(\))?\s*failed\s*:\s*)?" + _NCCL_DESC),
@@ -246,8 +253,12 @@ RULES: tuple[LineRule, ...] = (
         nccl_peer_lost),
     # NCCL's shared memory transport in a container whose /dev/shm is too small.
     LineRule("nccl-shm", "/dev/shm", "nccl_error", re.compile(
-        r"NCCL\s*WARN\s*.{0,80}?(?:failed\s*to\s*extend\s*/dev/shm|Error\s*while\s*creating\s*shared\s*memory"
-        r"\s*segment\s*/dev/shm/nccl)"), _nothing),
+        r"NCCL\s*WARN\s*.{0,80}?failed\s*to\s*extend\s*/dev/shm|Error\s*while\s*creating\s*shared\s*memory"
+        r"\s*segment\s*/dev/shm/nccl-"), _nothing),
+    # Two ranks given one GPU: NCCL refuses the communicator.
+    LineRule("nccl-duplicate-gpu", "duplicate gpu", "nccl_error", re.compile(
+        r"Duplicate\s*GPU\s*detected\s*:\s*rank\s*(?P<a>\d{1,9})\s*and\s*rank\s*(?P<b>\d{1,9})\s*both\s*on\s*CUDA\s*device"),
+        lambda m: {"ranks": [int(m.group("a")), int(m.group("b"))]}),
     LineRule("nccl-warn-retcode", "retcode", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*\[[^\]]*\]\s*Failed\s*to\s*execute\s*operation\s*(?P<oper>\w+)\s*from\s*rank\s*"
         r"(?P<peer>\d{1,9}),\s*retcode\s*(?P<code>\d{1,9})"), nccl_retcode),
@@ -315,6 +326,11 @@ RULES: tuple[LineRule, ...] = (
         r"\b(?P<msg>CUDA_ERROR_[A-Z_]{3,40})\b"), cuda_message, family="cuda"),
     LineRule("cudnn-error", "cudnn_status", "cuda_error", re.compile(
         r"\b(?P<msg>CUDNN_STATUS_(?!SUCCESS)[A-Z_]{3,40})\b"), cuda_message, family="cuda"),
+    # cuDNN's v8 API when no kernel fits the layer (often a cuDNN library other than torch's):
+    # "GET was unable to find an engine to execute this computation".
+    LineRule("cudnn-no-engine", "find an engine", "cuda_error", re.compile(
+        r"(?P<msg>(?:GET|FIND)?\s*was\s*unable\s*to\s*find\s*an\s*engine\s*to\s*execute\s*this\s*computation)"),
+        cuda_message, family="cuda"),
     LineRule("cublas-error", "cublas_status", "cuda_error", re.compile(
         r"\b(?P<msg>CUBLAS_STATUS_(?!SUCCESS)[A-Z_]{3,40})\b"), cuda_message, family="cuda"),
     # A kernel's assert, printed per thread before "CUDA error: device-side assert triggered":
@@ -339,6 +355,9 @@ RULES: tuple[LineRule, ...] = (
     LineRule("xla-oom", "resource_exhausted", "oom", re.compile(
         r"RESOURCE_EXHAUSTED\s*:\s*(?:Out\s*of\s*memory|Failed\s*to\s*allocate)"), _nothing),
     LineRule("tf-oom", "oom when", "oom", re.compile(_words("OOM when allocating tensor")), _nothing),
+    # PaddlePaddle: "Out of memory error on GPU 0. Cannot allocate 400.000244MB memory on GPU 0, ...".
+    LineRule("paddle-oom", "out of memory error", "oom", re.compile(
+        r"Out\s*of\s*memory\s*error\s*on\s*(?:GPU|XPU|NPU)\s*\d{1,4}\b"), _nothing),
 ) + PROCESS_RULES
 
 # Cheap pre-filter: a line containing none of these (lower-cased) words
@@ -353,6 +372,7 @@ _ANCHOR_WORDS = (
     "failed to connect", "resource_exhausted", "rendezvous", "socket timeout", "failed to listen", "torch_",
     "encountered in worker", "hip error", "driver error", "died with", "srun", "noticed", "no longer possible",
     "monitoredbarrier", "/dev/shm", "the server socket", "abort", "kernel image", "cudasuccess", "hccl",
+    "already in use", "duplicate gpu", "find an engine", "killing subprocess",
 )
 
 

@@ -27,6 +27,10 @@ PROCESS_RULES: tuple[LineRule, ...] = (
     # DeepSpeed's launcher: "[launch.py:320:sigkill_handler] ['python', ...] exits with return code = -9".
     LineRule("deepspeed-launcher-exit", "return code", "child_failed", re.compile(
         r"\]\s*exits\s*with\s*return\s*code\s*=\s*(?P<exit>-?\d{1,4})"), launcher_exit),
+    # ... and its signal handler stopping every worker after one failed:
+    # "[launch.py:315:sigkill_handler] Killing subprocess 2432905".
+    LineRule("deepspeed-launcher-kill", "killing subprocess", "child_failed", re.compile(
+        r"sigkill_handler\]\s*Killing\s*subprocess\s*(?P<pid>\d{1,12})"), lambda m: {"pid": int(m.group("pid"))}),
     # A ChildFailedError summary whose line breaks were lost in the paste:
     # "rank2 (local rank: 2)exitcode: -9 (pid: 36071)error file: <N/A>".
     LineRule("elastic-summary-squashed", "exitcode", "child_failed", re.compile(
