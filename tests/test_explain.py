@@ -896,6 +896,51 @@ def test_round_8_classes_misaligned_closed_rendezvous_xla_allocation_and_overflo
     assert _categories("Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0") == []
 
 
+@pytest.mark.parametrize("line, category", [
+    ("misc/socket.cc:484 NCCL WARN socketStartConnect: Connect to 10.1.1.1<43411> failed : Software caused "
+     "connection abort", "nccl_error"),
+    ("node1:2:2 [0] NCCL WARN Bootstrap : no socket interface found", "nccl_error"),
+    ("node1:2:9 [0] NCCL WARN NET/IB : Unable to open device mlx5_0", "nccl_error"),
+    ("RuntimeError: HIP out of memory. Tried to allocate 2.00 GiB (GPU 0; 63.98 GiB total capacity)", "oom"),
+    ("RuntimeError: MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.20 GB)", "oom"),
+    ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "oom"),
+    ("RuntimeError: No CUDA GPUs are available", "cuda_error"),
+    ("RuntimeError: Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU", "cuda_error"),
+    ("RuntimeError: The NVIDIA driver on your system is too old (found version 10010).", "cuda_error"),
+    ("torch.cuda.DeferredCudaCallError: CUDA call failed lazily at initialization with error: device >= 0",
+     "cuda_error"),
+    ("CUDA Exception: Warp Illegal Address", "illegal_memory_access"),
+    ("subprocess.CalledProcessError: Command '['/usr/bin/python', '-u', 'train.py', '--local_rank=1']' returned "
+     "non-zero exit status 1.", "child_failed"),
+    ("torch.multiprocessing.spawn.ProcessRaisedException:", "child_failed"),
+    ("Horovod has been shut down. This was caused by an exception on one of the ranks or an attempt to allreduce",
+     "child_failed"),
+    ("WARNING: non-finite loss, ending training  ('box', 'obj', 'cls', 'total') tensor([nan, nan, nan, nan])",
+     "loss_nan"),
+    ("RuntimeError: Loss is inf, stopping training", "loss_nan"),
+    ("[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1, reducing to 1", "loss_scale_collapse"),
+    ("RuntimeError: connect() timed out. Original timeout was 1800000 ms.", "heartbeat_timeout"),
+    ("[W socket.cpp:601] [c10d] The client socket has failed to connect to [localhost]:29500 (errno: 99 - Cannot "
+     "assign requested address).", "heartbeat_timeout"),
+    ("RuntimeError: Stop_waiting response is expected", "heartbeat_timeout"),
+    ("torch.distributed.DistNetworkError: Connection reset by peer", "heartbeat_timeout"),
+    ("RuntimeError: unable to mmap 1024 bytes from file </torch_1234_5678_9>: Cannot allocate memory (12)",
+     "dataloader_worker_killed"),
+])
+def test_messages_of_torch_nccl_and_launchers_read_on_their_own(line: str, category: str) -> None:
+    """Messages from the failure vocabulary of torch, NCCL, CUDA and the launchers (not from
+    any corpus text), each read alone, as an issue quotes it."""
+    assert [c for c, _ in _categories(line)] == [category]
+
+
+def test_a_scaler_that_cannot_reduce_further_is_at_its_floor() -> None:
+    floor = "\n".join(f"[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: {a}, reducing to {b}"
+                      for a, b in ((4, 2), (2, 1), (1, 1)))
+    assert _categories(floor) == [("loss_scale_collapse", "high")]
+    # One routine reduction is still routine.
+    assert _categories("[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536, reducing to 32768") == []
+
+
 @pytest.mark.parametrize("text, category", [
     # The watchdog's line quoted without its WorkNCCL record.
     ("abort at larger dataset sizes with\n\n    Watchdog caught collective operation timeout\n"

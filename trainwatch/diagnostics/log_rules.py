@@ -212,7 +212,16 @@ RULES: tuple[LineRule, ...] = (
         _words("The client socket has timed out after") + r"\s*(?P<secs>\d{1,9})m?s\s*"
         + _words("while trying to connect to")), _nothing),
     LineRule("store-connect-failed", "failed to connect", "heartbeat_timeout", re.compile(
-        _words("The client socket has failed to connect to any network address of")), _nothing),
+        _words("The client socket has failed to connect to") + r"\s*(?:any\s*network\s*address\s*of|\S+\s*\(errno:\s*\d)"),
+        _nothing),
+    # Older torch's words for the same ("connect() timed out. Original timeout was 1800000 ms."),
+    # a store that answered out of protocol, and the store's own network error.
+    LineRule("store-connect-old", "timed out", "heartbeat_timeout", re.compile(
+        r"connect\(\)\s*timed\s*out\.\s*Original\s*timeout\s*was\s*\d{1,12}\s*ms"), _nothing),
+    LineRule("store-protocol", "stop_waiting", "heartbeat_timeout", re.compile(
+        _words("Stop_waiting response is expected")), _nothing),
+    LineRule("store-network-error", "distnetworkerror", "heartbeat_timeout", re.compile(
+        r"DistNetworkError\s*:\s*(?P<why>Connection\s*reset\s*by\s*peer|Broken\s*pipe|Connection\s*refused)"), _nothing),
     LineRule("store-clients-timeout", "timed out", "heartbeat_timeout", re.compile(
         r"Timed\s*out\s*after\s*\d{1,9}\s*seconds\s*waiting\s*for\s*clients"), _nothing),
     # -- desynchronised ranks ----------------------------------------------------------
@@ -251,6 +260,13 @@ RULES: tuple[LineRule, ...] = (
         r"NCCL\s*WARN(?P<msg>.*?(?:Connection\s*closed\s*by\s*remote\s*peer|Connection\s*reset\s*by\s*peer"
         r"|Broken\s*pipe|Network\s*is\s*unreachable|No\s*route\s*to\s*host|Connection\s*refused|Got\s*completion\s*(?:from\s*peer\s*\S+\s*)?with\s*(?:error|status)\s*=?\s*\d+).*)"),
         nccl_peer_lost),
+    # NCCL_DEBUG=WARN lines of a connection or network device that could not be set up:
+    # "socketStartConnect: Connect to 10.1.1.1<43411> failed", "Bootstrap : no socket interface found",
+    # "NET/IB : Unable to open device mlx5_0", "Call to ibv_create_qp failed".
+    LineRule("nccl-warn-net-setup", "warn", "nccl_error", re.compile(
+        r"NCCL\s*WARN\s*(?P<msg>(?:socket\w{0,20}\s*:\s*)?Connect\s*to\s*\S+\s*failed.{0,120}"
+        r"|Bootstrap\s*:\s*no\s*socket\s*interface\s*found|NET/\w{1,20}\s*:\s*Unable\s*to\s*open\s*device\s*\S+"
+        r"|Call\s*to\s*ibv_\w{1,40}\s*failed.{0,80})"), lambda m: {"nccl_warn": m.group("msg").strip()}),
     # NCCL's shared memory transport in a container whose /dev/shm is too small.
     LineRule("nccl-shm", "/dev/shm", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*.{0,80}?failed\s*to\s*extend\s*/dev/shm|Error\s*while\s*creating\s*shared\s*memory"
@@ -277,12 +293,18 @@ RULES: tuple[LineRule, ...] = (
         r"\b(?i:CUDA\s*error)\s*:\s*misaligned\s*address|" + _CUDA_CHECK + r"\s*misaligned\s*address"
         r"|cudaErrorMisalignedAddress|CUDA_ERROR_MISALIGNED_ADDRESS"),
         _nothing, family="cuda"),
+    # cuda-gdb stopping on the faulting warp: "CUDA Exception: Warp Illegal Address".
+    LineRule("cuda-gdb-illegal-address", "warp", "illegal_memory_access", re.compile(
+        r"CUDA\s*Exception\s*:\s*Warp\s*(?:Illegal|Out-of-range|Misaligned)\s*Address"), _nothing, family="cuda"),
     # ROCm's words for the same fault: "Memory access fault by GPU node-1 (...) on address 0x..."
     LineRule("rocm-memory-fault", "fault", "illegal_memory_access", re.compile(
         r"Memory\s*access\s*fault\s*by\s*GPU"), _nothing, family="cuda"),
     LineRule("cuda-error-oom", "memory", "oom", re.compile(
         r"\b(?i:CUDA|HIP)\s*(?:driver\s*)?(?i:error)\s*:\s*out\s*of\s*memory"),
              _nothing, family="cuda"),
+    # cuBLAS failing to allocate its workspace: the device is out of memory.
+    LineRule("cublas-alloc-failed", "cublas_status", "oom", re.compile(r"\bCUBLAS_STATUS_ALLOC_FAILED\b"), _nothing,
+             family="cuda"),
     # Before torch 1.5: "cuda runtime error (2) : out of memory at ...THCGeneral.cpp:50",
     # "THCudaCheck FAIL file=... line=271 error=4 : unspecified launch failure".
     LineRule("cuda-runtime-oom", "cuda", "oom", re.compile(
@@ -326,6 +348,15 @@ RULES: tuple[LineRule, ...] = (
         r"\b(?P<msg>CUDA_ERROR_[A-Z_]{3,40})\b"), cuda_message, family="cuda"),
     LineRule("cudnn-error", "cudnn_status", "cuda_error", re.compile(
         r"\b(?P<msg>CUDNN_STATUS_(?!SUCCESS)[A-Z_]{3,40})\b"), cuda_message, family="cuda"),
+    # No usable GPU or driver at all: torch's own words.
+    LineRule("cuda-unavailable", "nvidia driver", "cuda_error", re.compile(
+        r"(?P<msg>Found\s*no\s*NVIDIA\s*driver\s*on\s*your\s*system|The\s*NVIDIA\s*driver\s*on\s*your\s*system\s*is\s*too\s*old)"),
+        cuda_message, family="cuda"),
+    LineRule("cuda-no-gpus", "gpus", "cuda_error", re.compile(
+        r"(?P<msg>No\s*CUDA\s*GPUs\s*are\s*available|ProcessGroupNCCL\s*is\s*only\s*supported\s*with\s*GPUs,\s*no\s*GPUs\s*found)"),
+        cuda_message, family="cuda"),
+    LineRule("cuda-deferred-call", "deferredcudacallerror", "cuda_error", re.compile(
+        r"DeferredCudaCallError\s*:\s*(?P<msg>.{1,200})"), cuda_message, family="cuda"),
     # cuDNN's v8 API when no kernel fits the layer (often a cuDNN library other than torch's):
     # "GET was unable to find an engine to execute this computation".
     LineRule("cudnn-no-engine", "find an engine", "cuda_error", re.compile(
@@ -349,7 +380,8 @@ RULES: tuple[LineRule, ...] = (
         _words("Some NCCL operations have failed or timed out")), _nothing, role="hint"),
     # -- memory --------------------------------------------------------------------
     LineRule("cuda-oom", "memory", "oom", re.compile(
-        r"OutOfMemoryError\s*:\s*(?=\S)|CUDA\s*out\s*of\s*memory\."), oom_facts),
+        r"OutOfMemoryError\s*:\s*(?=\S)|(?:CUDA|HIP|XPU|NPU)\s*out\s*of\s*memory\.|MPS\s*backend\s*out\s*of\s*memory"),
+        oom_facts),
     # XLA (JAX, TensorFlow) on an accelerator: "RESOURCE_EXHAUSTED: Out of memory while trying to
     # allocate 4770354232 bytes", "OOM when allocating tensor with shape[...]".
     LineRule("xla-oom", "resource_exhausted", "oom", re.compile(
@@ -372,7 +404,9 @@ _ANCHOR_WORDS = (
     "failed to connect", "resource_exhausted", "rendezvous", "socket timeout", "failed to listen", "torch_",
     "encountered in worker", "hip error", "driver error", "died with", "srun", "noticed", "no longer possible",
     "monitoredbarrier", "/dev/shm", "the server socket", "abort", "kernel image", "cudasuccess", "hccl",
-    "already in use", "duplicate gpu", "find an engine", "killing subprocess",
+    "already in use", "duplicate gpu", "find an engine", "killing subprocess", "warp", "nvidia driver", "gpus",
+    "deferredcudacallerror", "stop_waiting", "distnetworkerror", "raisedexception",
+    "non-zero exit status", "horovod has been shut down", "mmap",
 )
 
 

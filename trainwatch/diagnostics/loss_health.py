@@ -54,7 +54,9 @@ _LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train[_ ]|total[_ ])?loss(?!_?scal)(?:
 _ABORT_NAN = re.compile(
     r"(?i)(?:Rank\s*(?P<rank>\d{1,9})\s*:\s*)?found\s*(?:NaN|Inf)\s*in\s*local\s*grad\s*norm"
     r"|Bad\s*grad_?norm\s*detected\s*\(grad_?norm\s*=\s*nan\)"
-    r"|(?:loss|grad(?:ient)?[\s_]norm)\s*is\s*(?:NaN|not\s*finite)"
+    r"|(?:loss|grad(?:ient)?[\s_]norm)\s*is\s*(?:NaN|inf(?:inite)?\b|not\s*finite|non-finite)"
+    # YOLOv5's trainer: "WARNING: non-finite loss, ending training".
+    r"|non-finite\s*loss,?\s*ending\s*training"
     # PyTorch's own clip_grad_norm_ on a non-finite total norm: the warning, and the error
     # error_if_nonfinite=True raises instead.
     r"|Non-finite\s*norm\s*encountered\s*in\s*torch\.nn\.utils\.clip_grad_norm_?"
@@ -182,6 +184,9 @@ def _scale_findings(reductions: list[tuple[float, float | None, str, int | None]
     final = run[-1][0] if run else None
     # A scale cut below 1 has collapsed even when one line shows it: the gradients overflow
     # fp16 unscaled, so that scale was reached by many halvings, none of which recovered.
+    # A scaler that "reduces" the scale to no less than it was is at its floor (DeepSpeed's
+    # min_loss_scale: "Attempted loss scale: 1, reducing to 1").
+    minimum = minimum + [r[2] for r in run if r[1] is not None and r[0] >= r[1]]
     collapsed = bool(minimum) or (final is not None and (final < 1.0 or (len(run) >= MIN_FALLS
                                                                            and final <= COLLAPSE_SCALE)))
     if not collapsed:

@@ -39,6 +39,14 @@ PROCESS_RULES: tuple[LineRule, ...] = (
     LineRule("spawn-exited", "terminated", "child_failed", re.compile(
         r"\bprocess\s*(?P<local>\d{1,6})\s*terminated\s*with\s*(?:signal\s*(?P<sig>SIG[A-Z]{2,6})"
         r"|exit\s*code\s*(?P<exit>-?\d{1,4}))"), spawn_exited),
+    # mp.spawn re-raising a worker's exception; the pre-elastic launcher (torch.distributed.launch)
+    # on a worker that exited non-zero; Horovod after one rank failed.
+    LineRule("spawn-raised", "raisedexception", "child_failed", re.compile(r"\bProcessRaisedException\b"), _nothing),
+    LineRule("launch-called-process", "non-zero exit status", "child_failed", re.compile(
+        r"CalledProcessError:\s*Command\s*'\[.{0,600}?local[_-]rank.{0,600}?\]'\s*returned\s*non-zero\s*exit\s*status"
+        r"\s*(?P<exit>-?\d{1,4})"), lambda m: {"exit_code": int(m.group("exit"))}),
+    LineRule("horovod-shut-down", "horovod has been shut down", "child_failed", re.compile(
+        _words("Horovod has been shut down. This was caused by an exception on one of the ranks")), _nothing),
     # Paddle's launcher: "ABORT!!! Out of all 4 trainers, the trainer process with rank=[1, 2, 3] was aborted."
     LineRule("paddle-trainers-aborted", "abort", "child_failed", re.compile(
         r"Out\s*of\s*all\s*\d{1,9}\s*trainers,\s*the\s*trainer\s*process\s*with\s*rank=\[(?P<ranks>[\d,\s]{1,400})\]"
@@ -69,5 +77,6 @@ PROCESS_RULES: tuple[LineRule, ...] = (
     # Shared memory full while a worker hands a batch over (/dev/shm too small in a container):
     # "unable to write to file </torch_18692_1954506624>: No space left on device (28)".
     LineRule("dataloader-shm", "torch_", "dataloader_worker_killed", re.compile(
-        r"unable\s*to\s*(?:write\s*to\s*file|open\s*shared\s*memory\s*object)\s*</torch_\d"), _nothing),
+        r"unable\s*to\s*(?:write\s*to\s*file|open\s*shared\s*memory\s*object|mmap\s*\d{1,20}\s*bytes\s*from\s*file)"
+        r"\s*</torch_\d"), _nothing),
 )
