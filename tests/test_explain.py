@@ -926,11 +926,45 @@ def test_round_8_classes_misaligned_closed_rendezvous_xla_allocation_and_overflo
     ("torch.distributed.DistNetworkError: Connection reset by peer", "heartbeat_timeout"),
     ("RuntimeError: unable to mmap 1024 bytes from file </torch_1234_5678_9>: Cannot allocate memory (12)",
      "dataloader_worker_killed"),
+    ("Net : Connection closed by remote peer node2<45678>", "nccl_error"),
+    ("node1:1:1 [0] NCCL WARN Error : ring 0 does not loop back to start (1 != 0)", "nccl_error"),
+    ("WARNING:torch.distributed.elastic.agent.server.api:[default] Worker group FAILED. 3/3 attempts left; will "
+     "restart worker group", "child_failed"),
+    ("Epoch 0: 10%|#         | 100/1000 [01:00<09:00, reduced_train_loss=nan, global_step=99.00]", "loss_nan"),
+    ("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.", "child_failed"),
+    ("Workers (tasks / actors) killed due to memory pressure (OOM): 1 Workers crashed due to other reasons: 0", "oom"),
+    ("jaxlib.xla_extension.XlaRuntimeError: DEADLINE_EXCEEDED: Barrier timed out. Barrier_id: PjRT_Client_Connect.",
+     "heartbeat_timeout"),
+    ("tensorflow.python.framework.errors_impl.InternalError: CUDA runtime implicit initialization on GPU:0 failed. "
+     "Status: out of memory", "oom"),
+    ("Failed to get convolution algorithm. This is probably because cuDNN failed to initialize, so try looking",
+     "cuda_error"),
+    ("RuntimeError: Unable to find a valid cuDNN algorithm to run convolution", "cuda_error"),
+    ("[1234567.890] Out of memory: Killed process 12345 (python) total-vm:123456kB, anon-rss:1234kB", "oom"),
+    ("RuntimeError: [enforce fail at alloc_cpu.cpp:114] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+     "tried to allocate 1073741824 bytes. Error code 12 (Cannot allocate memory)", "oom"),
 ])
 def test_messages_of_torch_nccl_and_launchers_read_on_their_own(line: str, category: str) -> None:
     """Messages from the failure vocabulary of torch, NCCL, CUDA and the launchers (not from
     any corpus text), each read alone, as an issue quotes it."""
     assert [c for c, _ in _categories(line)] == [category]
+
+
+@pytest.mark.parametrize("line", [
+    "[WARNING] [stage3.py:1850:step] 1 pytorch allocator cache flushes since last step. this happens when there is "
+    "high memory pressure and is detrimental to performance.",
+    "[rank0]:[W ProcessGroupNCCL.cpp:1168] Warning: WARNING: process group has NOT been destroyed before we destruct "
+    "ProcessGroupNCCL.",
+    "node1:2:9 [0] NCCL INFO NET/Plugin : dlerror=libnccl-net.so: cannot open shared object file: No such file or "
+    "directory No plugin found (libnccl-net.so), using internal implementation",
+    "node1:2:9 [0] NCCL INFO comm 0x55d5 rank 0 nranks 2 cudaDev 0 busId 1000 - Init COMPLETE",
+    "{'train_runtime': 1234.5, 'train_samples_per_second': 12.3, 'train_loss': 1.234, 'epoch': 3.0}",
+    "[W reducer.cpp:1300] Warning: find_unused_parameters=True was specified in DDP constructor, but did not find any "
+    "unused parameters in the forward pass.",
+    "NCCL WARN NET/Plugin: Could not find: libnccl-net.so. Using internal network plugin.",
+])
+def test_routine_lines_of_a_healthy_run_are_not_faults(line: str) -> None:
+    assert [(c, s) for c, s in _categories(line) if s not in ("info", "low")] == []
 
 
 def test_a_scaler_that_cannot_reduce_further_is_at_its_floor() -> None:

@@ -218,6 +218,9 @@ RULES: tuple[LineRule, ...] = (
     # a store that answered out of protocol, and the store's own network error.
     LineRule("store-connect-old", "timed out", "heartbeat_timeout", re.compile(
         r"connect\(\)\s*timed\s*out\.\s*Original\s*timeout\s*was\s*\d{1,12}\s*ms"), _nothing),
+    # JAX's coordination service: a process that never reached the start-up barrier.
+    LineRule("jax-barrier-timeout", "deadline_exceeded", "heartbeat_timeout", re.compile(
+        r"DEADLINE_EXCEEDED\s*:\s*Barrier\s*timed\s*out"), _nothing),
     LineRule("store-protocol", "stop_waiting", "heartbeat_timeout", re.compile(
         _words("Stop_waiting response is expected")), _nothing),
     LineRule("store-network-error", "distnetworkerror", "heartbeat_timeout", re.compile(
@@ -275,6 +278,13 @@ RULES: tuple[LineRule, ...] = (
     LineRule("nccl-duplicate-gpu", "duplicate gpu", "nccl_error", re.compile(
         r"Duplicate\s*GPU\s*detected\s*:\s*rank\s*(?P<a>\d{1,9})\s*and\s*rank\s*(?P<b>\d{1,9})\s*both\s*on\s*CUDA\s*device"),
         lambda m: {"ranks": [int(m.group("a")), int(m.group("b"))]}),
+    # NCCL's own error lines: "NCCL WARN Error : ring 0 does not loop back to start", and the
+    # "Last error:" that NCCL 2.19+ appends to an error ("Net : Connection closed by remote peer").
+    LineRule("nccl-warn-error", "warn", "nccl_error", re.compile(r"NCCL\s*WARN\s*Error\s*:\s*(?P<msg>\S.{0,200})"),
+             lambda m: {"nccl_warn": m.group("msg").strip()}),
+    LineRule("nccl-last-error-peer", "remote peer", "nccl_error", re.compile(
+        r"^\s*(?:Last\s*error:\s*)?(?i:net)\s*(?:/\w{1,10})?\s*:\s*(?P<msg>Connection\s*closed\s*by\s*remote\s*peer.{0,80})"),
+        lambda m: {"nccl_warn": m.group("msg").strip()}),
     LineRule("nccl-warn-retcode", "retcode", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*\[[^\]]*\]\s*Failed\s*to\s*execute\s*operation\s*(?P<oper>\w+)\s*from\s*rank\s*"
         r"(?P<peer>\d{1,9}),\s*retcode\s*(?P<code>\d{1,9})"), nccl_retcode),
@@ -359,6 +369,11 @@ RULES: tuple[LineRule, ...] = (
         r"DeferredCudaCallError\s*:\s*(?P<msg>.{1,200})"), cuda_message, family="cuda"),
     # cuDNN's v8 API when no kernel fits the layer (often a cuDNN library other than torch's):
     # "GET was unable to find an engine to execute this computation".
+    # cuDNN failing to start or to pick a kernel (often the device out of memory underneath):
+    # torch's "Unable to find a valid cuDNN algorithm", TensorFlow's "Failed to get convolution algorithm".
+    LineRule("cudnn-no-algorithm", "cudnn", "cuda_error", re.compile(
+        r"(?P<msg>Unable\s*to\s*find\s*a\s*valid\s*cuDNN\s*algorithm|Failed\s*to\s*get\s*convolution\s*algorithm\.\s*"
+        r"This\s*is\s*probably\s*because\s*cuDNN\s*failed\s*to\s*initialize)"), cuda_message, family="cuda"),
     LineRule("cudnn-no-engine", "find an engine", "cuda_error", re.compile(
         r"(?P<msg>(?:GET|FIND)?\s*was\s*unable\s*to\s*find\s*an\s*engine\s*to\s*execute\s*this\s*computation)"),
         cuda_message, family="cuda"),
@@ -387,6 +402,13 @@ RULES: tuple[LineRule, ...] = (
     LineRule("xla-oom", "resource_exhausted", "oom", re.compile(
         r"RESOURCE_EXHAUSTED\s*:\s*(?:Out\s*of\s*memory|Failed\s*to\s*allocate)"), _nothing),
     LineRule("tf-oom", "oom when", "oom", re.compile(_words("OOM when allocating tensor")), _nothing),
+    LineRule("tf-init-oom", "status", "oom", re.compile(
+        r"CUDA\s*runtime\s*implicit\s*initialization\s*on\s*GPU:\d{1,4}\s*failed\.\s*Status:\s*out\s*of\s*memory"), _nothing),
+    # Host memory: torch's CPU allocator, the kernel's OOM killer, Ray's memory monitor.
+    LineRule("host-oom", "memory", "oom", re.compile(
+        r"DefaultCPUAllocator:\s*can't\s*allocate\s*memory|(?:Memory\s*cgroup\s*)?[Oo]ut\s*of\s*memory:\s*Kill(?:ed)?"
+        r"\s*process\s*(?P<pid>\d{1,12})|killed\s*due\s*to\s*memory\s*pressure\s*\(OOM\)"),
+        lambda m: {"pid": int(m.group("pid"))} if m.group("pid") else {}),
     # PaddlePaddle: "Out of memory error on GPU 0. Cannot allocate 400.000244MB memory on GPU 0, ...".
     LineRule("paddle-oom", "out of memory error", "oom", re.compile(
         r"Out\s*of\s*memory\s*error\s*on\s*(?:GPU|XPU|NPU)\s*\d{1,4}\b"), _nothing),
@@ -405,7 +427,8 @@ _ANCHOR_WORDS = (
     "encountered in worker", "hip error", "driver error", "died with", "srun", "noticed", "no longer possible",
     "monitoredbarrier", "/dev/shm", "the server socket", "abort", "kernel image", "cudasuccess", "hccl",
     "already in use", "duplicate gpu", "find an engine", "killing subprocess", "warp", "nvidia driver", "gpus",
-    "deferredcudacallerror", "stop_waiting", "distnetworkerror", "raisedexception",
+    "deferredcudacallerror", "deadline_exceeded", "cudnn", "remote peer", "worker group failed", "actor died",
+    "worker died", "stop_waiting", "distnetworkerror", "raisedexception",
     "non-zero exit status", "horovod has been shut down", "mmap",
 )
 

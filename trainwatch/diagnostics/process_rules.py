@@ -47,6 +47,13 @@ PROCESS_RULES: tuple[LineRule, ...] = (
         r"\s*(?P<exit>-?\d{1,4})"), lambda m: {"exit_code": int(m.group("exit"))}),
     LineRule("horovod-shut-down", "horovod has been shut down", "child_failed", re.compile(
         _words("Horovod has been shut down. This was caused by an exception on one of the ranks")), _nothing),
+    # torchelastic's agent after a worker failed, before it restarts the group.
+    LineRule("elastic-group-failed", "worker group failed", "child_failed", re.compile(
+        r"Worker\s*group\s*FAILED\.\s*(?P<left>\d{1,9})/(?P<max>\d{1,9})\s*attempts\s*left"), _nothing),
+    # Ray: an actor or task worker process that died.
+    LineRule("ray-worker-died", "died", "child_failed", re.compile(
+        r"ActorDiedError|The\s*actor\s*died\s*unexpectedly\s*before\s*finishing\s*this\s*task"
+        r"|A\s*worker\s*died\s*or\s*was\s*killed\s*while\s*executing\s*a\s*task"), _nothing),
     # Paddle's launcher: "ABORT!!! Out of all 4 trainers, the trainer process with rank=[1, 2, 3] was aborted."
     LineRule("paddle-trainers-aborted", "abort", "child_failed", re.compile(
         r"Out\s*of\s*all\s*\d{1,9}\s*trainers,\s*the\s*trainer\s*process\s*with\s*rank=\[(?P<ranks>[\d,\s]{1,400})\]"
