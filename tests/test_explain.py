@@ -967,6 +967,19 @@ def test_routine_lines_of_a_healthy_run_are_not_faults(line: str) -> None:
     assert [(c, s) for c, s in _categories(line) if s not in ("info", "low")] == []
 
 
+def test_an_exception_nothing_else_explains_is_other_at_low_severity() -> None:
+    text = ("I tried `python tools/train_net.py`, but got an error says `TypeError: get_default_optimizer_params() "
+            "got an unexpected keyword argument 'lr_factor_func'`.")
+    assert _categories(text) == [("other", "low")]
+    (finding,) = explain_inputs([("issue.txt", text.encode())])["findings"]
+    assert finding["runbook"] == "python-exception" and finding["exception"] == "TypeError"
+    # A known message keeps its own category and no `other` is added beside it.
+    assert _categories("RuntimeError: CUDA error: an illegal memory access was encountered") == [
+        ("illegal_memory_access", "medium")]
+    # Text without an exception gets nothing.
+    assert _categories("Epoch 3 done, loss 0.412") == []
+
+
 def test_a_scaler_that_cannot_reduce_further_is_at_its_floor() -> None:
     floor = "\n".join(f"[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: {a}, reducing to {b}"
                       for a, b in ((4, 2), (2, 1), (1, 1)))

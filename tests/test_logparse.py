@@ -452,8 +452,9 @@ def test_every_category_has_a_runbook_and_severity() -> None:
     severities = {"info", "low", "medium", "high", "critical"}
     for category, (severity, runbook) in ERROR_CATEGORIES.items():
         assert severity in severities
-        # The exceptions share the runbook of a stack category: ECC, and a data loader that stalls.
-        assert runbook.replace("-", "_") == category or runbook in ("gpu-ecc", "dataloader-stall")
+        # The exceptions share the runbook of a stack category (ECC, a data loader that stalls), or
+        # name what `other` is when a log says it (a Python exception nothing else explains).
+        assert runbook.replace("-", "_") == category or runbook in ("gpu-ecc", "dataloader-stall", "python-exception")
 
 
 # -- cross-rank comparison ------------------------------------------------------------------------

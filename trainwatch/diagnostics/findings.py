@@ -38,6 +38,8 @@ ERROR_CATEGORIES: dict[str, tuple[str, str]] = {
     # kinds and runbooks as the live detectors. A collapse below scale 1 is "high".
     "loss_nan": ("critical", "loss-nan"),
     "loss_scale_collapse": ("medium", "loss-scale-collapse"),
+    # A Python exception none of the above names, read only when nothing else explains the text.
+    "other": ("low", "python-exception"),
 }
 
 NON_FACT_KEYS = frozenset({"kind", "evidence", "severity", "runbook", "rank", "ranks", "_role"})

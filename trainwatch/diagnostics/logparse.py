@@ -347,6 +347,24 @@ def parse_log(text: str, source: str | None = None) -> ParsedLog:
     return ParsedLog(findings=[in_contract_order(f) for f in collapse_ranks(events)], points=points)
 
 
+# "TypeError: ...", "torch.distributed.DistBackendError: ...": a dotted exception class and its message.
+_EXCEPTION = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w{0,40}\.){0,8}(?P<cls>[A-Z]\w{0,60}?(?:Error|Exception))\s*:\s*\S")
+
+
+def unexplained_exception(text: str) -> list[dict]:
+    """An `other` finding for the last Python exception in a text that nothing else
+    explains (a script's own bug, a version or configuration error); [] without one."""
+    last = None
+    for line in text.splitlines():
+        if ("Error" in line or "Exception" in line) and _EXCEPTION.search(line):
+            last = line
+    if last is None:
+        return []
+    finding = error_finding("other", last.strip()[:400])
+    finding["exception"] = _EXCEPTION.search(last).group("cls")
+    return [in_contract_order(finding)]
+
+
 def error_findings(text: str, source: str | None = None) -> list[dict]:
     """Findings (kind "error") for every known failure message in `text`,
     plus a collective_mismatch finding when its ranks disagree on progress."""

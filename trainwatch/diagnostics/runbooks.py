@@ -26,6 +26,7 @@ PRODUCT_RUNBOOKS = (
     "gpu-utilisation",
     "oom",
     "child-failed",
+    "python-exception",
     "dataloader-worker-killed",
     "gpu-xid",
     "hang",
