@@ -661,6 +661,32 @@ def check_nccl_mismatch(ctx: Context) -> dict:
                            "collective_mismatch", culprit, ranks)
 
 
+@check("nccl_in_process", "nccl", 60)
+def check_nccl_in_process(ctx: Context) -> dict:
+    """In-process recovery's NCCL path on one rank: the request aborts the communicators, the
+    next collective fails, the group is formed again on NCCL and the staged step agreed by a
+    device all-gather (a hung peer needs two GPUs; the launched nccl_mismatch check covers it there)."""
+    need_cuda(ctx)
+    import tempfile
+
+    from trainwatch import slots
+    from trainwatch.netbind import free_port
+
+    with tempfile.TemporaryDirectory() as scratch:
+        seg = os.path.join(scratch, "r.slots")
+        slots.create_segment(seg, 1)
+        p = run([sys.executable, str(HERE / "scripts" / "inprocess_nccl.py"), str(free_port()), seg],
+                min(45.0, ctx.remaining()), env=child_env())
+    lines = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise Fail(f"exit {p.returncode}: {tail(p.stdout + p.stderr)}")
+    out = lines[-1]
+    if out["error"] is None or out["step"] != 12 or out["restored"] != [12] or out["sum"] != [3.0, 3.0] \
+            or out["done"] != [7, 12] or out["backend"] != "nccl":
+        raise Fail(f"in-process recovery on NCCL did not complete: {out}")
+    return out
+
+
 @check("nccl_straggler", "nccl", 90, cpu=True)
 def check_nccl_straggler(ctx: Context) -> dict:
     """A rank 0.3 s late every step: the straggler, by collective arrival order where NCCL reports it."""

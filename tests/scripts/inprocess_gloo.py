@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainwatch import slots
-from trainwatch.rank.inprocess import InProcessRecovery, reform_gloo
+from trainwatch.rank.inprocess import InProcessRecovery, abort_nccl_groups, reform_gloo
 from trainwatch.rank.slotwriter import SlotWriter
 from trainwatch.watchdog.inprocess import answer, ask
 
@@ -29,7 +29,9 @@ segment = slots.Segment(seg_path)
 writer = SlotWriter(segment, rank, pid=0, rank=rank, world_size=2, restart=0)
 recovery = InProcessRecovery(writer, store_ports={port}, rank=rank)
 t = torch.ones(4)
+nccl_aborted = abort_nccl_groups()  # a gloo group has no NCCL communicator to abort
 dist.all_reduce(t)  # the group works
+breaking_before = recovery.breaking()
 store.set(f"ready{rank}", "1")
 store.wait(["ready0", "ready1"])
 if rank == 0:
@@ -51,11 +53,13 @@ try:
 except RuntimeError as e:
     error = str(e).split("\n")[0][:200]
 broke_s = time.monotonic() - t0
+breaking_during = recovery.breaking()
 restored = []
 step = recovery.recover(reform_gloo(rank, 2, store), lambda: [12, 11] if rank == 0 else [11, 10], restored.append)
 t = torch.full((2,), float(rank + 1))
 dist.all_reduce(t)
 done = answer(segment, rank)
 print(json.dumps({"rank": rank, "error": error, "broke_s": broke_s, "step": step, "restored": restored,
-                  "sum": t.tolist(), "wanted": recovery.wanted(), "done": [done[1], done[2]]}), flush=True)
+                  "sum": t.tolist(), "wanted": recovery.wanted(), "done": [done[1], done[2]], "nccl_aborted": nccl_aborted,
+                  "breaking": [breaking_before, breaking_during, recovery.breaking()]}), flush=True)
 dist.destroy_process_group()

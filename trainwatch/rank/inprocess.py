@@ -8,17 +8,21 @@ interpreter, the imports, the model in memory and the rendezvous, which is
 most of a restart's time. When the sidecar asks (the slot's
 `recover_request`), each rank:
 
-1. on its sampler thread, breaks every collective it is in: it shuts down the
-   process group's connections to its peers (gloo pairs; not the rendezvous
-   store), so a collective blocked in C++ returns with an error at once, and
-   the next one fails at once. (NCCL would abort its communicators; that path
-   needs a GPU and is not built here.)
+1. on its sampler thread, breaks every collective it is in: it aborts its
+   NCCL communicators (a kernel waiting for a peer exits, and every later
+   NCCL call fails) and shuts down the process group's connections to its
+   peers (gloo pairs; not the rendezvous store), so a collective blocked in
+   C++ returns with an error at once, and the next one fails at once;
 2. on its training thread, where that error arrives, destroys the process
    group and creates it again under a new store prefix (bounded by
    `REFORM_TIMEOUT_S`: a rank that cannot join means a process restart);
 3. agrees with its peers on the newest step all of them staged (the
    emergency checkpointer's double buffer holds the last two), restores it
    from memory, and tells the sidecar (`recover_done`, `recover_step`).
+
+A step that ends after the request was seen is never staged nor counted: on a
+GPU, an aborted NCCL kernel returns early and leaves that step's gradients
+incomplete (`InProcessRecovery.breaking`).
 
 The trainer (trainwatch.trainer.train) drives steps 2 and 3; a script can do
 the same with `InProcessRecovery.recover`. Anything that fails on the way
@@ -32,6 +36,7 @@ import datetime
 import os
 import socket
 import stat
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -46,6 +51,10 @@ FALLBACK_WAIT_S = 60.0
 
 class RecoveryFailed(RuntimeError):
     """In-process recovery did not work: the rank needs a process restart."""
+
+
+class RecoveryUnderWay(RuntimeError):
+    """Raised by a training loop whose step ended after recovery was asked for (see breaking())."""
 
 
 def cut_collective_connections(keep_ports: set[int]) -> int:
@@ -82,6 +91,59 @@ def cut_collective_connections(keep_ports: set[int]) -> int:
     return cut
 
 
+def abort_nccl_groups() -> int:
+    """Abort the NCCL communicators of every process group of this process (torch's
+    ProcessGroupNCCL.abort, under one NCCL group call as torch's own abort of the world
+    does, so that aborting one communicator cannot wait on another). Returns how many
+    were aborted; 0 without torch, without a group, or where the private API differs."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not (dist.is_available() and dist.is_initialized() and dist.is_nccl_available()):
+            return 0
+        nccl_type = dist.ProcessGroupNCCL
+        backends = []
+        for pg in list(c10d._world.pg_map):
+            try:
+                backend = pg._get_backend(torch.device("cuda"))
+            except RuntimeError:
+                continue  # a group without a CUDA backend (gloo only)
+            if isinstance(backend, nccl_type):
+                backends.append(backend)
+    except Exception:  # a torch whose private layout differs: the process restart covers it
+        return 0
+    if not backends:
+        return 0
+    grouped = hasattr(backends[0], "_group_start") and hasattr(backends[0], "_group_end")
+    aborted = 0
+    try:
+        if grouped:
+            backends[0]._group_start()
+        for backend in backends:
+            try:
+                backend.abort()
+                aborted += 1
+            except Exception:
+                pass
+    finally:
+        if grouped:
+            try:
+                backends[0]._group_end()
+            except Exception:
+                pass
+    return aborted
+
+
+def break_collectives(keep_ports: set[int]) -> int:
+    """Break every collective this process is in: NCCL communicators aborted, then the
+    process group's TCP connections cut (gloo). Returns how many were broken."""
+    return abort_nccl_groups() + cut_collective_connections(keep_ports)
+
+
 class InProcessRecovery:
     """One rank's side of in-process recovery (see the module docstring)."""
 
@@ -109,9 +171,15 @@ class InProcessRecovery:
             self._seen = request
             self.pending = request
             self.cut_at = time.monotonic()
-            cut_collective_connections(self.store_ports)
+            break_collectives(self.store_ports)
 
     # ---- training thread --------------------------------------------------------------
+
+    def breaking(self) -> bool:
+        """Whether a recovery was asked for and not yet served: the step that just ended
+        may have run on broken collectives (an aborted NCCL kernel returns early), so it
+        must not be staged nor counted; the caller raises into recovery instead."""
+        return bool(self.pending)  # set by the sampler before it breaks anything
 
     def wanted(self, error: BaseException | None = None) -> bool:
         """Whether an error on the training thread is the recovery the sidecar asked for."""
@@ -142,7 +210,10 @@ class InProcessRecovery:
                 dist.destroy_process_group()
             reform(f"trainwatch/in-process/{request}")
             mine = [s for s in staged_steps() if s >= 0]
-            have = torch.tensor(sorted(mine, reverse=True)[:2] + [-1] * (2 - len(mine[:2])), dtype=torch.int64)
+            # NCCL gathers device tensors only.
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            have = torch.tensor(sorted(mine, reverse=True)[:2] + [-1] * (2 - len(mine[:2])), dtype=torch.int64,
+                                device=device)
             world = dist.get_world_size()
             gathered = [torch.empty_like(have) for _ in range(world)]
             dist.all_gather(gathered, have)
@@ -168,18 +239,24 @@ class InProcessRecovery:
         raise RecoveryFailed(why)
 
 
-def reform_gloo(rank: int, world_size: int, base_store: Any,
-                timeout_s: float = REFORM_TIMEOUT_S) -> Callable[[str], None]:
-    """A reform() for InProcessRecovery.recover: the default gloo group again,
-    under a new prefix of the job's store."""
+def reform_group(backend: str, rank: int, world_size: int, base_store: Any,
+                 timeout_s: float = REFORM_TIMEOUT_S) -> Callable[[str], None]:
+    """A reform() for InProcessRecovery.recover: the default group again, on the same
+    backend (gloo, or NCCL on the rank's current GPU), under a new prefix of the job's store."""
 
     def reform(prefix: str) -> None:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, base_store), rank=rank,
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, base_store), rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
     return reform
+
+
+def reform_gloo(rank: int, world_size: int, base_store: Any,
+                timeout_s: float = REFORM_TIMEOUT_S) -> Callable[[str], None]:
+    """reform_group on gloo."""
+    return reform_group("gloo", rank, world_size, base_store, timeout_s)
 
 
 def store_ports(environ: dict[str, str] | None = None) -> set[int]:

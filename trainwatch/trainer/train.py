@@ -301,11 +301,12 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
     # Logging collectives get their own group, as in most real trainers: a rank
     # that desynchronises there leaves DDP's gradient all-reduces intact.
     log_group = dist.new_group() if rt.distributed else None
-    # In-process recovery (gloo): the sidecar breaks the collectives; the group is
-    # formed again here and the state of the newest step every rank staged restored.
-    recovery = tw.in_process_recovery() if rt.distributed and rt.device.type == "cpu" else None
-    reform = inprocess.reform_gloo(rt.rank, rt.world_size, dist.distributed_c10d._get_default_store()) \
-        if recovery is not None else None
+    # In-process recovery: the sidecar breaks the collectives (gloo connections cut, NCCL
+    # communicators aborted); the group is formed again here on the same backend and the
+    # state of the newest step every rank staged restored.
+    recovery = tw.in_process_recovery() if rt.distributed else None
+    reform = inprocess.reform_group(dist.get_backend(), rt.rank, rt.world_size,
+                                    dist.distributed_c10d._get_default_store()) if recovery is not None else None
 
     def restore(step: int) -> None:
         nonlocal data_offset, lr_scale, done_step
@@ -382,6 +383,10 @@ def _run(cfg: TrainConfig, rt: Runtime, tw, state: dict | None, resumed_from: st
                 # rank whose peer hangs blocks here, and must read as waiting on peers.
                 with tw.phase("collective") if wait_here else contextlib.nullcontext():
                     local_v, mean_v, norm_v, *more = torch.stack(values).tolist()
+                if recovery is not None and recovery.breaking():
+                    # Its collectives may have been cut short (an aborted NCCL kernel returns
+                    # early): this step is neither staged nor counted.
+                    raise inprocess.RecoveryUnderWay(f"step {step} ended while its collectives were broken")
                 done_step = step
                 tw.step(loss=local_v, grad_norm=norm_v, step=step, lr=float(lr_used),
                         loss_scale=more[0] if scaler is not None else None,
