@@ -148,8 +148,9 @@ def test_dump_signal_from_another_rank() -> None:
             "dump signal due to a collective timeout from  rank 2 and we will try our best to dump the debug info. "
             "Last enqueued NCCL work: 136, last completed NCCL work: 135.This is most likely caused by incorrect "
             "usages of collectives")
-    assert (f["category"], f["rank"], f["source_rank"], f["last_enqueued"], f["last_completed"]) == (
-        "heartbeat_timeout", 5, 2, 136, 135)
+    # The signal is sent because a collective timed out (on rank 2): a collective time-out.
+    assert (f["category"], f["rank"], f["source_rank"], f["last_enqueued"], f["last_completed"], f["runbook"]) == (
+        "collective_timeout", 5, 2, 136, 135, "collective-timeout")
 
 
 def test_dump_signal_from_this_local_rank_names_itself() -> None:
@@ -169,7 +170,7 @@ def test_timeout_signal_from_the_monitor_thread() -> None:
     f = one("[rank0]:[E327 17:04:16.18 ProcessGroupNCCL.cpp:1346] [PG 0 Rank 0] Received a timeout signal from this "
             "local rank and will start to dump the debug info. Last enqueued NCCL work: 2, last completed NCCL "
             "work: 1.")
-    assert (f["category"], f["rank"]) == ("heartbeat_timeout", 0)
+    assert (f["category"], f["rank"]) == ("collective_timeout", 0)
 
 
 def test_watchdog_stuck_is_the_heartbeat_monitor_timing_out() -> None:

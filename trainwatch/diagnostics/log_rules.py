@@ -171,7 +171,9 @@ RULES: tuple[LineRule, ...] = (
     LineRule("heartbeat-monitor", "heartbeat", "heartbeat_timeout", re.compile(
         _words("Heartbeat monitor timed out!") + r"(?:.*?workMetaList_\.size\(\)\s*=\s*(?P<pending>\d+))?"),
         _heartbeat),
-    LineRule("dump-signal", "dump", "heartbeat_timeout", re.compile(
+    # ProcessGroupNCCL telling every rank to dump its debug info because a collective timed out
+    # (on this rank or another): the collective time-out, seen from each rank.
+    LineRule("dump-signal", "dump", "collective_timeout", re.compile(
         _words("Received a dump signal due to a collective timeout from") + r"\s*(?:(?P<local>"
         + _words("this local rank") + r")|rank\s*(?P<src>\d+))"
         + r"(?:.*?" + _words("Last enqueued NCCL work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
@@ -182,7 +184,7 @@ RULES: tuple[LineRule, ...] = (
         r"(?i)" + _words("last enqueued") + r"\s*(?:NCCL\s*)?work:\s*(?P<enq>" + _INT + r"),\s*"
         + _words("last completed") + r"\s*(?:NCCL\s*)?work:\s*(?P<comp>" + _INT + ")"), _progress, role="support",
         family="progress"),
-    LineRule("timeout-signal", "received", "heartbeat_timeout", re.compile(
+    LineRule("timeout-signal", "received", "collective_timeout", re.compile(
         r"Received\s*a\s*(?:" + _words("global timeout from another rank") + "|"
         + _words("timeout signal from this local rank") + ")"), _nothing),
     # The heartbeat monitor's own time-out when the watchdog thread made no progress
@@ -369,6 +371,9 @@ RULES: tuple[LineRule, ...] = (
         r"DeferredCudaCallError\s*:\s*(?P<msg>.{1,200})"), cuda_message, family="cuda"),
     # cuDNN's v8 API when no kernel fits the layer (often a cuDNN library other than torch's):
     # "GET was unable to find an engine to execute this computation".
+    # A torch built without NCCL (Windows, macOS) asked for it: a platform error none of the
+    # categories above names.
+    LineRule("nccl-not-built", "nccl", "other", re.compile(_words("Distributed package doesn't have NCCL")), _nothing),
     # cuDNN failing to start or to pick a kernel (often the device out of memory underneath):
     # torch's "Unable to find a valid cuDNN algorithm", TensorFlow's "Failed to get convolution algorithm".
     LineRule("cudnn-no-algorithm", "cudnn", "cuda_error", re.compile(
@@ -402,6 +407,10 @@ RULES: tuple[LineRule, ...] = (
     LineRule("xla-oom", "resource_exhausted", "oom", re.compile(
         r"RESOURCE_EXHAUSTED\s*:\s*(?:Out\s*of\s*memory|Failed\s*to\s*allocate)"), _nothing),
     LineRule("tf-oom", "oom when", "oom", re.compile(_words("OOM when allocating tensor")), _nothing),
+    # TensorFlow's and XLA's BFC allocator, unless it says the caller survives it.
+    LineRule("bfc-oom", "ran out of memory", "oom", re.compile(
+        r"Allocator\s*\(\w{1,40}\)\s*ran\s*out\s*of\s*memory\s*trying\s*to\s*allocate"
+        r"(?!.{0,200}?caller\s*indicates\s*that\s*this\s*is\s*not\s*a\s*failure)"), _nothing),
     LineRule("tf-init-oom", "status", "oom", re.compile(
         r"CUDA\s*runtime\s*implicit\s*initialization\s*on\s*GPU:\d{1,4}\s*failed\.\s*Status:\s*out\s*of\s*memory"), _nothing),
     # Host memory: torch's CPU allocator, the kernel's OOM killer, Ray's memory monitor.
@@ -428,7 +437,7 @@ _ANCHOR_WORDS = (
     "monitoredbarrier", "/dev/shm", "the server socket", "abort", "kernel image", "cudasuccess", "hccl",
     "already in use", "duplicate gpu", "find an engine", "killing subprocess", "warp", "nvidia driver", "gpus",
     "deferredcudacallerror", "deadline_exceeded", "cudnn", "remote peer", "worker group failed", "actor died",
-    "worker died", "stop_waiting", "distnetworkerror", "raisedexception",
+    "worker died", "ran out of memory", "child process", "stop_waiting", "distnetworkerror", "raisedexception",
     "non-zero exit status", "horovod has been shut down", "mmap",
 )
 

@@ -296,7 +296,7 @@ def _points(raw: list[dict], events: list[dict]) -> list[dict]:
     ]
     points += [
         {"metric": "timeout_seq", "rank": f["rank"], "pg": f.get("pg"), "value": f["seq"],
-         "op": f["op"], "evidence": f["evidence"]}
+         "op": f["op"], "numel_in": f.get("numel_in"), "evidence": f["evidence"]}
         for f in events
         if f["category"] == "collective_timeout" and f.get("transport") == "nccl" and f["seq"] is not None
     ]
@@ -348,7 +348,9 @@ def parse_log(text: str, source: str | None = None) -> ParsedLog:
 
 
 # "TypeError: ...", "torch.distributed.DistBackendError: ...": a dotted exception class and its message.
-_EXCEPTION = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w{0,40}\.){0,8}(?P<cls>[A-Z]\w{0,60}?(?:Error|Exception))\s*:\s*\S")
+_EXCEPTION = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w{0,40}\.){0,8}(?P<cls>[A-Z]\w{0,60}?(?:Error|Exception))\s*:\s*\S"
+                        # ... or the raise statement a traceback quotes: 'raise RuntimeError("...")'.
+                        r"|\braise\s+(?:[A-Za-z_]\w{0,40}\.){0,8}(?P<raised>[A-Z]\w{0,60}?(?:Error|Exception))\s*\(")
 
 
 def unexplained_exception(text: str) -> list[dict]:
@@ -361,7 +363,8 @@ def unexplained_exception(text: str) -> list[dict]:
     if last is None:
         return []
     finding = error_finding("other", last.strip()[:400])
-    finding["exception"] = _EXCEPTION.search(last).group("cls")
+    m = _EXCEPTION.search(last)
+    finding["exception"] = m.group("cls") or m.group("raised")
     return [in_contract_order(finding)]
 
 

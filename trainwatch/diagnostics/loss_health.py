@@ -49,7 +49,7 @@ _GRAD_NORM = re.compile(r"(?i)\bgrad[\s_-]?norm['\"]?\s*(?:[:=]\s*)?" + _NUM + _
 # "loss: nan", "'loss': nan", "lm loss: nan", "loss=nan", "train_loss: nan", a loss term ("loss_net: nan"),
 # a table cell ("| loss | nan |"), a bare pair ("Loss nan   LearningRate") or a bracketed name
 # ("[Loss] nan"); never the loss scale.
-_LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train |total |(?:[a-z][a-z0-9]{0,15}[_/]){1,3})?loss(?!_?scal)(?:_[a-z0-9]{1,20})?['\"\]]?"
+_LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train |total |(?:[a-z][a-z0-9]{0,15}[_/]){1,3})?loss(?:es)?(?!_?scal)(?:_[a-z0-9]{1,20})?['\"\]]?"
                    r"(?:\s*[:=|]\s*|\s+)\[?" + _NUM + _END)  # Paddle prints a loss as a list: "loss: [nan]"
 _ABORT_NAN = re.compile(
     r"(?i)(?:Rank\s*(?P<rank>\d{1,9})\s*:\s*)?found\s*(?:NaN|Inf)\s*in\s*local\s*grad\s*norm"

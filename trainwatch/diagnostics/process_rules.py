@@ -24,6 +24,10 @@ PROCESS_RULES: tuple[LineRule, ...] = (
     LineRule("elastic-failed", "exitcode", "child_failed", re.compile(
         r"failed\s*\(exitcode:\s*(?P<exit>-?\d+)\)\s*local_rank:\s*(?P<local>\d+)\s*\(pid:\s*(?P<pid>\d+)\)"),
         elastic_failed),
+    # torchelastic before torch 1.10: "Child process 17057 (local_rank 0) FAILED (exitcode 1)".
+    LineRule("elastic-child-failed-old", "child process", "child_failed", re.compile(
+        r"Child\s*process\s*(?P<pid>\d{1,12})\s*\(local_rank\s*(?P<local>\d{1,9})\)\s*FAILED\s*\(exitcode\s*(?P<exit>-?\d{1,4})\)"),
+        lambda m: {"pid": int(m.group("pid")), "local_rank": int(m.group("local")), "exit_code": int(m.group("exit"))}),
     # DeepSpeed's launcher: "[launch.py:320:sigkill_handler] ['python', ...] exits with return code = -9".
     LineRule("deepspeed-launcher-exit", "return code", "child_failed", re.compile(
         r"\]\s*exits\s*with\s*return\s*code\s*=\s*(?P<exit>-?\d{1,4})"), launcher_exit),

@@ -10,6 +10,8 @@ Everything here is pure: findings and progress points in, findings out.
 
 from __future__ import annotations
 
+import re
+
 from trainwatch.diagnostics.findings import NON_FACT_KEYS, error_finding, in_contract_order
 
 # Facts one rank reports about itself. Ranks that agree on everything else
@@ -118,7 +120,8 @@ def _op_mismatch_findings(points: list[dict]) -> list[dict]:
             for p in bucket:
                 if p["value"] == seq:
                     ops.setdefault(p["op"], set()).add(p["rank"])
-            if len(ops) < 2:
+            if len(ops) == 1:
+                out += _size_mismatch(pg, seq, [p for p in bucket if p["value"] == seq])
                 continue
             sizes = sorted(len(r) for r in ops.values())
             majority = max(ops, key=lambda op: len(ops[op])) if sizes[-1] > sizes[-2] else None
@@ -133,6 +136,34 @@ def _op_mismatch_findings(points: list[dict]) -> list[dict]:
             )
             out.append(in_contract_order(finding))
     return out
+
+
+# Collectives every rank calls with the same input size (not all-to-all's uneven splits,
+# a root's scatter or gather list, point to point).
+_SAME_SIZE_OPS = re.compile(r"(?i)^_?(?:ALLREDUCE|BROADCAST|REDUCE|ALLGATHER|REDUCE_SCATTER)(?:_BASE|_COALESCED)?$")
+
+
+def _size_mismatch(pg, seq: int, at_seq: list[dict]) -> list[dict]:
+    """A collective_mismatch where ranks time out at one SeqNum in one op with different input
+    sizes (NumelIn): the same collective must move the same amount from every rank, so they
+    called it on different tensors (a desync of shapes). The less common sizes are the suspects."""
+    op = at_seq[0]["op"]
+    by_size: dict[int, set[int]] = {}
+    for p in at_seq:
+        if p.get("numel_in") is not None:
+            by_size.setdefault(p["numel_in"], set()).add(p["rank"])
+    if len(by_size) < 2 or not _SAME_SIZE_OPS.match(op):
+        return []
+    counts = sorted(len(r) for r in by_size.values())
+    common = max(by_size, key=lambda n: len(by_size[n])) if counts[-1] > counts[-2] else None
+    suspects = sorted({r for n, rs in by_size.items() if n != common for r in rs})
+    said = "; ".join(f"{_rank_list(sorted(rs))} {n}" for n, rs in sorted(by_size.items()))
+    finding = error_finding("collective_mismatch", f"SeqNum {seq} timed out in {op} with different sizes (NumelIn): {said}")
+    finding.update(op=op, seq=seq, ranks=suspects, rank=suspects[0] if len(suspects) == 1 else None, pg=pg,
+                   metric="timeout_size", per_rank=[{"rank": r, "seq": seq, "numel_in": n}
+                                                    for n, rs in sorted(by_size.items()) for r in sorted(rs)],
+                   evidence_lines=[p["evidence"] for p in at_seq][:8])
+    return [in_contract_order(finding)]
 
 
 def mismatch_findings(points: list[dict]) -> list[dict]:
