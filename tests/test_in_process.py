@@ -128,3 +128,31 @@ def test_recovery_serves_the_request_its_sampler_has_not_seen_yet(tmp_path):
     with pytest.raises(RecoveryFailed, match="the test stops here"):
         recovery.recover(reform, lambda: [3], lambda step: None)
     assert prefixes == ["trainwatch/in-process/7"]
+
+
+def test_the_sampler_sees_a_request_between_its_rounds(tmp_path, monkeypatch):
+    """A rank that offers in-process recovery looks at its request word every POLL_S while it
+    waits for its next sampler round, so a request is served within that, not within a round."""
+    from trainwatch.rank import inprocess
+    from trainwatch.rank.slotwriter import SlotWriter
+    from trainwatch.watchdog.inprocess import ask
+
+    monkeypatch.setattr(inprocess, "break_collectives", lambda keep: 0)  # nothing of this process to break
+    seg = str(tmp_path / "r.slots")
+    slots.create_segment(seg, 1)
+    segment = slots.Segment(seg)
+    recovery = inprocess.InProcessRecovery(SlotWriter(segment, 0, pid=0, rank=0, world_size=1, restart=0),
+                                           store_ports=set(), rank=0)
+    stop = threading.Event()
+    waiter = threading.Thread(target=recovery.wait_round, args=(stop, 60.0))
+    waiter.start()
+    try:
+        ask(segment, 0, 7)
+        deadline = time.monotonic() + 10.0
+        while not recovery.pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert recovery.pending == 7  # within the round's 60 s wait
+    finally:
+        stop.set()
+        waiter.join(5)
+    assert not waiter.is_alive()

@@ -43,6 +43,8 @@ from typing import Any, Callable
 
 from trainwatch.lines import print_line
 
+POLL_S = 0.02
+"""Seconds between the sampler thread's looks at the recovery request between its rounds."""
 REFORM_TIMEOUT_S = 10.0
 """How long re-forming the process group may take before the rank gives up (s)."""
 FALLBACK_WAIT_S = 60.0
@@ -172,6 +174,20 @@ class InProcessRecovery:
             self.pending = request
             self.cut_at = time.monotonic()
             break_collectives(self.store_ports)
+
+    def wait_round(self, stop: threading.Event, interval_s: float) -> bool:
+        """The sampler's wait for its next round (True when stopping), looking at the request
+        word every POLL_S meanwhile (one memory read): a request is served within that, not
+        within a round."""
+        deadline = time.monotonic() + interval_s
+        while (left := deadline - time.monotonic()) > 0:
+            if stop.wait(min(POLL_S, left)):
+                return True
+            try:
+                self.poll()
+            except Exception:  # the round's own poll tries again; the heartbeat must go on
+                pass
+        return stop.is_set()
 
     # ---- training thread --------------------------------------------------------------
 

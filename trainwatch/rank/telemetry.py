@@ -413,7 +413,9 @@ class Telemetry:
         self._sampler.start()
 
     def _sample_loop(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
+        # A rank that offers in-process recovery looks at its request between rounds too.
+        while not (self._stop.wait(interval_s) if self._inprocess is None
+                   else self._inprocess.wait_round(self._stop, interval_s)):
             try:
                 self.sample_now()
                 if self._emergency is not None:
