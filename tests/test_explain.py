@@ -950,6 +950,25 @@ def test_messages_of_torch_nccl_and_launchers_read_on_their_own(line: str, categ
     assert [c for c, _ in _categories(line)] == [category]
 
 
+VOCABULARY = Path(__file__).resolve().parent / "fixtures" / "message_vocabulary.tsv"
+"""One message per line, `category<TAB>line`: the failure messages (and routine lines, `healthy`)
+that torch, NCCL, CUDA, the launchers and the training frameworks print, as their own source
+prints them, with values filled in; not taken from any corpus text."""
+
+
+def _vocabulary() -> list[tuple[str, str]]:
+    return [tuple(row.split("\t", 1)) for row in VOCABULARY.read_text().splitlines() if row]
+
+
+@pytest.mark.parametrize("category, line", _vocabulary(), ids=lambda v: v[:60])
+def test_the_failure_vocabulary_is_read_line_by_line(category: str, line: str) -> None:
+    found = _categories(line)
+    if category == "healthy":
+        assert [(c, s) for c, s in found if s not in ("info", "low")] == []
+    else:
+        assert category in [c for c, _ in found], found
+
+
 @pytest.mark.parametrize("line", [
     "[WARNING] [stage3.py:1850:step] 1 pytorch allocator cache flushes since last step. this happens when there is "
     "high memory pressure and is detrimental to performance.",

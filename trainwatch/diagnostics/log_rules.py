@@ -20,6 +20,7 @@ from trainwatch.diagnostics.line_rule import words as _words
 # signal_name and to_bytes are read through this module too (logparse, tests).
 from trainwatch.diagnostics.process_facts import (cuda_message, device_assert, old_cuda_message, oom_facts,
                                                   signal_name, to_bytes)
+from trainwatch.diagnostics.framework_rules import ANCHOR_WORDS as _FRAMEWORK_WORDS, FRAMEWORK_RULES
 from trainwatch.diagnostics.process_rules import PROCESS_RULES
 from trainwatch.diagnostics.nccl_facts import (nccl_code, nccl_line, nccl_mismatch_rank, nccl_peer_lost, nccl_retcode,
                                                 nccl_size_mismatch)
@@ -142,6 +143,16 @@ RULES: tuple[LineRule, ...] = (
         _progress, family="progress"),
     # "Exception (either an error or timeout)": an error or a timeout, so it
     # only adds numbers to a timeout finding and never makes one by itself.
+    # torch >= 2.4 says which it was: "Work timeout is detected by watchdog at work: 3502, ...",
+    # "NCCL error is detected by watchdog at work: 2210, ...".
+    LineRule("nccl-timeout-detected", "enqueued", "collective_timeout", re.compile(
+        _words("Work timeout is detected by watchdog at work:") + r"\s*(?P<seq>" + _INT + r"),\s*"
+        + _words("last enqueued NCCL work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
+        + _words("last completed NCCL work:") + r"\s*(?P<comp>" + _INT + ")"), _progress, family="progress"),
+    LineRule("nccl-error-detected", "enqueued", "nccl_error", re.compile(
+        _words("NCCL error is detected by watchdog at work:") + r"\s*(?P<seq>" + _INT + r"),\s*"
+        + _words("last enqueued NCCL work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
+        + _words("last completed NCCL work:") + r"\s*(?P<comp>" + _INT + ")"), _progress, family="progress"),
     LineRule("nccl-exception-at-work", "enqueued", "collective_timeout", re.compile(
         _words("detected by watchdog at work:") + r"\s*(?P<seq>" + _INT + r"),\s*"
         + _words("last enqueued NCCL work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
@@ -220,13 +231,12 @@ RULES: tuple[LineRule, ...] = (
     # a store that answered out of protocol, and the store's own network error.
     LineRule("store-connect-old", "timed out", "heartbeat_timeout", re.compile(
         r"connect\(\)\s*timed\s*out\.\s*Original\s*timeout\s*was\s*\d{1,12}\s*ms"), _nothing),
-    # JAX's coordination service: a process that never reached the start-up barrier.
-    LineRule("jax-barrier-timeout", "deadline_exceeded", "heartbeat_timeout", re.compile(
-        r"DEADLINE_EXCEEDED\s*:\s*Barrier\s*timed\s*out"), _nothing),
     LineRule("store-protocol", "stop_waiting", "heartbeat_timeout", re.compile(
         _words("Stop_waiting response is expected")), _nothing),
     LineRule("store-network-error", "distnetworkerror", "heartbeat_timeout", re.compile(
         r"DistNetworkError\s*:\s*(?P<why>Connection\s*reset\s*by\s*peer|Broken\s*pipe|Connection\s*refused)"), _nothing),
+    LineRule("store-server-gone", "got 0 bytes", "heartbeat_timeout", re.compile(
+        r"Failed\s*to\s*recv,\s*got\s*0\s*bytes\.\s*Connection\s*was\s*likely\s*closed"), _nothing),
     LineRule("store-clients-timeout", "timed out", "heartbeat_timeout", re.compile(
         r"Timed\s*out\s*after\s*\d{1,9}\s*seconds\s*waiting\s*for\s*clients"), _nothing),
     # -- desynchronised ranks ----------------------------------------------------------
@@ -257,7 +267,7 @@ RULES: tuple[LineRule, ...] = (
         + r".{0,200}?" + _words("got error:") + r"(?!\s*Socket\s*Timeout)\s*(?P<why>[^.]{1,80})"), _nothing),
     # Other frameworks name the NCCL call that failed: "ncclCommInitRank failed: unhandled system error".
     LineRule("nccl-call-failed", "nccl", "nccl_error", re.compile(
-        r"\bnccl[A-Z]\w{2,40}(?:\(\))?\s*failed\s*:\s*(?:nccl[A-Z]\w{2,40}(?:\(\))?\s*failed\s*:\s*)?" + _NCCL_DESC),
+        r"\bnccl[A-Z]\w{2,40}(?:\((?:[^()]|\(\)){0,300}\))?\s*failed\s*:\s*(?:nccl[A-Z]\w{2,40}(?:\(\))?\s*failed\s*:\s*)?" + _NCCL_DESC),
         nccl_line, family="nccl-text"),
     # NCCL_DEBUG=WARN lines that say the peer of a connection is gone: no "NCCL error"
     # line may follow (the process that printed them is killed first).
@@ -271,7 +281,8 @@ RULES: tuple[LineRule, ...] = (
     LineRule("nccl-warn-net-setup", "warn", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*(?P<msg>(?:socket\w{0,20}\s*:\s*)?Connect\s*to\s*\S+\s*failed.{0,120}"
         r"|Bootstrap\s*:\s*no\s*socket\s*interface\s*found|NET/\w{1,20}\s*:\s*Unable\s*to\s*open\s*device\s*\S+"
-        r"|Call\s*to\s*ibv_\w{1,40}\s*failed.{0,80})"), lambda m: {"nccl_warn": m.group("msg").strip()}),
+        r"|Call\s*to\s*ibv_\w{1,40}\s*failed.{0,80}|NET/IB\s*:\s*\S{1,40}\s*Got\s*async\s*event\s*:\s*\w{0,20}\s*(?:error|fatal)"
+        r"|\[Service\s*thread\]\s*Error\s*encountered.{0,120})"), lambda m: {"nccl_warn": m.group("msg").strip()}),
     # NCCL's shared memory transport in a container whose /dev/shm is too small.
     LineRule("nccl-shm", "/dev/shm", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*.{0,80}?failed\s*to\s*extend\s*/dev/shm|Error\s*while\s*creating\s*shared\s*memory"
@@ -309,6 +320,8 @@ RULES: tuple[LineRule, ...] = (
     LineRule("cuda-gdb-illegal-address", "warp", "illegal_memory_access", re.compile(
         r"CUDA\s*Exception\s*:\s*Warp\s*(?:Illegal|Out-of-range|Misaligned)\s*Address"), _nothing, family="cuda"),
     # ROCm's words for the same fault: "Memory access fault by GPU node-1 (...) on address 0x..."
+    LineRule("rocm-ecc-fault", "ecc", "ecc", re.compile(
+        r"Memory\s*access\s*fault\s*by\s*GPU.{0,300}?Reason:\s*DRAM\s*ECC\s*failure"), _nothing, family="cuda"),
     LineRule("rocm-memory-fault", "fault", "illegal_memory_access", re.compile(
         r"Memory\s*access\s*fault\s*by\s*GPU"), _nothing, family="cuda"),
     LineRule("cuda-error-oom", "memory", "oom", re.compile(
@@ -407,12 +420,6 @@ RULES: tuple[LineRule, ...] = (
     LineRule("xla-oom", "resource_exhausted", "oom", re.compile(
         r"RESOURCE_EXHAUSTED\s*:\s*(?:Out\s*of\s*memory|Failed\s*to\s*allocate)"), _nothing),
     LineRule("tf-oom", "oom when", "oom", re.compile(_words("OOM when allocating tensor")), _nothing),
-    # TensorFlow's and XLA's BFC allocator, unless it says the caller survives it.
-    LineRule("bfc-oom", "ran out of memory", "oom", re.compile(
-        r"Allocator\s*\(\w{1,40}\)\s*ran\s*out\s*of\s*memory\s*trying\s*to\s*allocate"
-        r"(?!.{0,200}?caller\s*indicates\s*that\s*this\s*is\s*not\s*a\s*failure)"), _nothing),
-    LineRule("tf-init-oom", "status", "oom", re.compile(
-        r"CUDA\s*runtime\s*implicit\s*initialization\s*on\s*GPU:\d{1,4}\s*failed\.\s*Status:\s*out\s*of\s*memory"), _nothing),
     # Host memory: torch's CPU allocator, the kernel's OOM killer, Ray's memory monitor.
     LineRule("host-oom", "memory", "oom", re.compile(
         r"DefaultCPUAllocator:\s*can't\s*allocate\s*memory|(?:Memory\s*cgroup\s*)?[Oo]ut\s*of\s*memory:\s*Kill(?:ed)?"
@@ -421,7 +428,7 @@ RULES: tuple[LineRule, ...] = (
     # PaddlePaddle: "Out of memory error on GPU 0. Cannot allocate 400.000244MB memory on GPU 0, ...".
     LineRule("paddle-oom", "out of memory error", "oom", re.compile(
         r"Out\s*of\s*memory\s*error\s*on\s*(?:GPU|XPU|NPU)\s*\d{1,4}\b"), _nothing),
-) + PROCESS_RULES
+) + FRAMEWORK_RULES + PROCESS_RULES
 
 # Cheap pre-filter: a line containing none of these (lower-cased) words
 # cannot start a message in RULES, so the rule loop and the wrap-joining skip
@@ -437,7 +444,7 @@ _ANCHOR_WORDS = (
     "monitoredbarrier", "/dev/shm", "the server socket", "abort", "kernel image", "cudasuccess", "hccl",
     "already in use", "duplicate gpu", "find an engine", "killing subprocess", "warp", "nvidia driver", "gpus",
     "deferredcudacallerror", "deadline_exceeded", "cudnn", "remote peer", "worker group failed", "actor died",
-    "worker died", "ran out of memory", "child process", "stop_waiting", "distnetworkerror", "raisedexception",
+    "worker died", "ran out of memory", "child process", "stop_waiting", "nan or inf", "got 0 bytes", *_FRAMEWORK_WORDS, "distnetworkerror", "raisedexception",
     "non-zero exit status", "horovod has been shut down", "mmap",
 )
 

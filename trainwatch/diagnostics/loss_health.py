@@ -52,11 +52,15 @@ _GRAD_NORM = re.compile(r"(?i)\bgrad[\s_-]?norm['\"]?\s*(?:[:=]\s*)?" + _NUM + _
 _LOSS = re.compile(r"(?i)(?<![\w-])(?:lm |train |total |(?:[a-z][a-z0-9]{0,15}[_/]){1,3})?loss(?:es)?(?!_?scal)(?:_[a-z0-9]{1,20})?['\"\]]?"
                    r"(?:\s*[:=|]\s*|\s+)\[?" + _NUM + _END)  # Paddle prints a loss as a list: "loss: [nan]"
 _ABORT_NAN = re.compile(
-    r"(?i)(?:Rank\s*(?P<rank>\d{1,9})\s*:\s*)?found\s*(?:NaN|Inf)\s*in\s*local\s*grad\s*norm"
+    r"(?i)(?:Rank\s*(?P<rank>\d{1,9})\s*:\s*)?found\s*(?:NaN|Inf)\s*in\s*local\s*(?:grad\s*norm|forward\s*loss)"
     r"|Bad\s*grad_?norm\s*detected\s*\(grad_?norm\s*=\s*nan\)"
     r"|(?:loss|grad(?:ient)?[\s_]norm)\s*is\s*(?:NaN|inf(?:inite)?\b|not\s*finite|non-finite)"
     # YOLOv5's trainer: "WARNING: non-finite loss, ending training".
     r"|non-finite\s*loss,?\s*ending\s*training"
+    # mmengine's check-loss hook, fairseq's NaN detector, TensorFlow's check_numerics,
+    # PaddlePaddle's FLAGS_check_nan_inf.
+    r"|loss\s*become\s*infinite\s*or\s*NaN|NaN\s*detected\s*in\s*(?:output|grad)|Tensor\s*had\s*(?:NaN|Inf)\s*values"
+    r"|There\s*are\s*NAN\s*or\s*INF"
     # PyTorch's own clip_grad_norm_ on a non-finite total norm: the warning, and the error
     # error_if_nonfinite=True raises instead.
     r"|Non-finite\s*norm\s*encountered\s*in\s*torch\.nn\.utils\.clip_grad_norm_?"

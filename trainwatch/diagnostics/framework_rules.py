@@ -1,0 +1,95 @@
+"""Log rules for the frameworks, schedulers and runtimes around PyTorch: JAX/XLA and its
+coordination service, TensorFlow, Horovod, Ray, PaddlePaddle, MXNet, Slurm, Open MPI and
+fairseq. Each is a message form as that software prints it, read into the same error
+categories as torch's own (findings.ERROR_CATEGORIES). Appended to log_rules.RULES."""
+
+from __future__ import annotations
+
+import re
+
+from trainwatch.diagnostics.line_rule import LineRule, nothing as _nothing, words as _words
+
+FRAMEWORK_RULES: tuple[LineRule, ...] = (
+    # -- collectives that timed out or disagree ------------------------------------
+    # TensorFlow's collective ops; XLA's in-process rendezvous of GPU threads; Horovod's stall
+    # inspector shutting down; Ray Train's NCCL watch.
+    LineRule("tf-collective-timeout", "timed out", "collective_timeout", re.compile(
+        _words("Collective has timed out")), _nothing),
+    LineRule("xla-rendezvous-timeout", "rendezvous", "collective_timeout", re.compile(
+        r"Expected\s*\d{1,9}\s*threads\s*to\s*join\s*the\s*rendezvous,\s*but\s*only\s*\d{1,9}\s*of\s*them\s*arrived"),
+        _nothing),
+    LineRule("horovod-stall-shutdown", "stalled", "collective_timeout", re.compile(
+        r"One\s*or\s*more\s*rank\s*\(marked\s*by\s*\"!\"\)\s*is\s*stalled\s*for\s*longer\s*than\s*\d{1,9}\s*seconds"),
+        _nothing),
+    LineRule("ray-nccl-mismatch", "communicators", "collective_mismatch", re.compile(
+        r"\d{1,9}\s*of\s*\d{1,9}\s*communicators\s*have\s*a\s*collective\s*mismatch"), _nothing),
+    LineRule("ray-nccl-hang", "nccl hang", "collective_timeout", re.compile(_words("Possible NCCL hang detected!")),
+             _nothing),
+    # Ranks that called a collective with different shapes or ops (Horovod, Gloo), NCCL's socket
+    # transport receiving more than it was sent, fairseq's check of the workers' gradients.
+    LineRule("mismatched-collective", "mismatched", "collective_mismatch", re.compile(
+        r"Mismatched\s*(?:\w{1,20}\s*tensor\s*shapes|operations|\w{1,20}\s*data\s*types?)\s*:\s*One\s*rank"), _nothing),
+    LineRule("nccl-message-truncated", "truncated", "collective_mismatch", re.compile(
+        r"NCCL\s*WARN.{0,80}?message\s*truncated\s*:\s*receiving\s*\d{1,18}\s*bytes\s*instead\s*of\s*\d{1,18}"), _nothing),
+    LineRule("fairseq-inconsistent-grads", "inconsistent", "collective_mismatch", re.compile(
+        _words("gradients are inconsistent between workers")), _nothing),
+    # -- coordination: JAX's service, Horovod's and Open MPI's launchers --------------
+    # JAX's coordination service: a process that never reached the start-up barrier.
+    LineRule("jax-barrier-timeout", "deadline_exceeded", "heartbeat_timeout", re.compile(
+        r"DEADLINE_EXCEEDED\s*:\s*Barrier\s*timed\s*out"), _nothing),
+    LineRule("jax-coordination", "task", "heartbeat_timeout", re.compile(
+        r"Task\s*\S{1,200}\s*heartbeat\s*timeout|Failed\s*to\s*connect\s*to\s*distributed\s*JAX\s*controller"
+        r"|Failed\s*to\s*send\s*RPC\s*to\s*coordination\s*service|JAX\s*distributed\s*service\s*detected\s*fatal\s*errors"),
+        _nothing),
+    LineRule("horovod-start-timeout", "tasks to start", "heartbeat_timeout", re.compile(
+        _words("Timed out waiting for tasks to start")), _nothing),
+    LineRule("orte-lost-daemon", "lost communication", "heartbeat_timeout", re.compile(
+        _words("has lost communication with a remote daemon")), _nothing),
+    # -- NCCL through other frameworks: ncclRemoteError's words wherever they are quoted --
+    LineRule("nccl-remote-error-text", "remote process exited", "nccl_error", re.compile(
+        _words("remote process exited or there was a network error")), _nothing),
+    # -- CUDA set-up --------------------------------------------------------------------
+    LineRule("nvrm-api-mismatch", "api mismatch", "cuda_error", re.compile(r"NVRM:\s*API\s*mismatch"), _nothing),
+    LineRule("cudnn-version-mismatch", "cudnn", "cuda_error", re.compile(
+        r"Loaded\s*runtime\s*CuDNN\s*library:\s*\S+\s*but\s*source\s*was\s*compiled\s*with"), _nothing),
+    LineRule("jax-no-cuda", "cuda", "cuda_error", re.compile(
+        r"CUDA\s*backend\s*failed\s*to\s*initialize|An\s*NVIDIA\s*GPU\s*may\s*be\s*present\s*on\s*this\s*machine,\s*"
+        r"but\s*a\s*CUDA-enabled\s*jaxlib\s*is\s*not\s*installed"), _nothing),
+    # -- memory and processes under a scheduler -----------------------------------------
+    # TensorFlow's and XLA's BFC allocator, unless it says the caller survives it.
+    LineRule("bfc-oom", "ran out of memory", "oom", re.compile(
+        r"Allocator\s*\(\w{1,40}\)\s*ran\s*out\s*of\s*memory\s*trying\s*to\s*allocate"
+        r"(?!.{0,200}?caller\s*indicates\s*that\s*this\s*is\s*not\s*a\s*failure)"), _nothing),
+    LineRule("tf-init-oom", "status", "oom", re.compile(
+        r"CUDA\s*runtime\s*implicit\s*initialization\s*on\s*GPU:\d{1,4}\s*failed\.\s*Status:\s*out\s*of\s*memory"), _nothing),
+    LineRule("mxnet-alloc-oom", "memory allocation failed", "oom", re.compile(
+        _words("Memory allocation failed out of memory")), _nothing),
+    LineRule("slurm-oom", "error", "oom", re.compile(
+        r"srun:\s*error:\s*\S+:\s*tasks?\s*[\d,\-]+:\s*Out\s*Of\s*Memory|Detected\s*\d{1,9}\s*oom[_-]kill\s*events?"),
+        _nothing),
+    LineRule("srun-task-exited", "exited with exit code", "child_failed", re.compile(
+        r"srun:\s*error:\s*\S+:\s*tasks?\s*(?P<task>[\d,\-]+):\s*Exited\s*with\s*exit\s*code\s*(?P<exit>\d{1,4})"),
+        # The task is a rank only where srun starts one task per rank (not under a per-node launcher).
+        lambda m: {"exit_code": int(m.group("exit")), "task": m.group("task")}),
+    LineRule("mpi-abort", "mpi_abort", "child_failed", re.compile(
+        r"MPI_ABORT\s*was\s*invoked\s*on\s*rank\s*(?P<rank>\d{1,9})"), lambda m: {"rank": int(m.group("rank"))}),
+    LineRule("slurm-time-limit", "time limit", "other", re.compile(
+        r"\*\*\*\s*(?:JOB|STEP)\s*\S+\s*ON\s*\S+\s*CANCELLED\s*AT\s*\S+\s*DUE\s*TO\s*TIME\s*LIMIT"), _nothing),
+    LineRule("mpi-not-enough-slots", "not enough slots", "other", re.compile(
+        _words("There are not enough slots available in the system")), _nothing),
+    # -- data loaders: PaddlePaddle's --------------------------------------------------
+    LineRule("paddle-dataloader-killed", "dataloader", "dataloader_worker_killed", re.compile(
+        r"DataLoader\s*(?:process\s*\(pid\s*\d{1,12}\)\s*exited\s*(?:is\s*killed\s*by\s*signal|unexpectedly)"
+        r"|\d{1,6}\s*workers?\s*exit\s*unexpectedly)"), _nothing),
+    LineRule("paddle-dataloader-reader", "reader thread", "dataloader", re.compile(
+        _words("DataLoader reader thread failed to read data")), _nothing),
+)
+
+ANCHOR_WORDS = (
+    "timed out", "rendezvous", "stalled", "communicators", "nccl hang", "mismatched", "truncated", "inconsistent",
+    "task", "coordination", "jax", "tasks to start", "lost communication", "remote process exited", "api mismatch",
+    "cudnn", "cuda", "memory allocation failed", "out of memory", "oom", "exited with exit code", "mpi_abort",
+    "time limit", "not enough slots", "dataloader", "reader thread", "deadline_exceeded", "ran out of memory",
+    "status",
+)
+"""Words one of whose lower-cased forms every FRAMEWORK_RULES message holds (log_rules' pre-filter)."""
