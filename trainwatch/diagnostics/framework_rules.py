@@ -77,6 +77,14 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
         r"\*\*\*\s*(?:JOB|STEP)\s*\S+\s*ON\s*\S+\s*CANCELLED\s*AT\s*\S+\s*DUE\s*TO\s*TIME\s*LIMIT"), _nothing),
     LineRule("mpi-not-enough-slots", "not enough slots", "other", re.compile(
         _words("There are not enough slots available in the system")), _nothing),
+    # A script that does not accept what its launcher passes ("error: unrecognized arguments:
+    # --local-rank=0"), or not called with what it needs: a usage error, not a crash.
+    LineRule("argparse-usage", "error:", "other", re.compile(
+        r"error:\s*(?:unrecognized\s*arguments:|the\s*following\s*arguments\s*are\s*required:)"), _nothing),
+    # Caffe and other glog users checking an NCCL call: "Check failed: result == ncclSuccess (2 vs. 0)".
+    LineRule("glog-nccl-check", "ncclsuccess", "nccl_error", re.compile(
+        r"Check\s*failed:\s*\w{1,40}\s*==\s*ncclSuccess\s*\(\s*(?P<code>\d{1,3})\s*vs\.\s*0\s*\)"),
+        lambda m: {"nccl_code": int(m.group("code"))}),
     # -- data loaders: PaddlePaddle's --------------------------------------------------
     LineRule("paddle-dataloader-killed", "dataloader", "dataloader_worker_killed", re.compile(
         r"DataLoader\s*(?:process\s*\(pid\s*\d{1,12}\)\s*exited\s*(?:is\s*killed\s*by\s*signal|unexpectedly)"
@@ -90,6 +98,6 @@ ANCHOR_WORDS = (
     "task", "coordination", "jax", "tasks to start", "lost communication", "remote process exited", "api mismatch",
     "cudnn", "cuda", "memory allocation failed", "out of memory", "oom", "exited with exit code", "mpi_abort",
     "time limit", "not enough slots", "dataloader", "reader thread", "deadline_exceeded", "ran out of memory",
-    "status",
+    "status", "error:", "ncclsuccess",
 )
 """Words one of whose lower-cased forms every FRAMEWORK_RULES message holds (log_rules' pre-filter)."""

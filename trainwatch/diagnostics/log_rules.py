@@ -444,7 +444,7 @@ _ANCHOR_WORDS = (
     "monitoredbarrier", "/dev/shm", "the server socket", "abort", "kernel image", "cudasuccess", "hccl",
     "already in use", "duplicate gpu", "find an engine", "killing subprocess", "warp", "nvidia driver", "gpus",
     "deferredcudacallerror", "deadline_exceeded", "cudnn", "remote peer", "worker group failed", "actor died",
-    "worker died", "ran out of memory", "child process", "stop_waiting", "nan or inf", "got 0 bytes", *_FRAMEWORK_WORDS, "distnetworkerror", "raisedexception",
+    "worker died", "ran out of memory", "child process", "stop_waiting", "nan or inf", "got 0 bytes", "non-zero exit code", *_FRAMEWORK_WORDS, "distnetworkerror", "raisedexception",
     "non-zero exit status", "horovod has been shut down", "mmap",
 )
 

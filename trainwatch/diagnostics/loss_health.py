@@ -72,7 +72,7 @@ _ABORT_NAN = re.compile(
     r"|Function\s*'\w{1,80}'\s*returned\s*nan\s*values\s*in\s*its\s*\d+(?:st|nd|rd|th)\s*output")
 # DeepSpeed: "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32"
 _DS_OVERFLOW = re.compile(
-    r"OVERFLOW!\s*Rank\s*(?P<rank>\d{1,9})\s*Skipping\s*step\.\s*Attempted\s*loss\s*scale:\s*"
+    r"(?i:OVERFLOW!|fp16\s*dynamic\s*loss\s*scale\s*overflow!)\s*Rank\s*(?P<rank>\d{1,9})\s*Skipping\s*step\.\s*Attempted\s*loss\s*scale:\s*"
     r"(?P<before>[\d.eE+]+)\s*,\s*reducing\s*to\s*(?P<after>[\d.eE+]+)")
 # apex amp: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 512.0";
 # fairseq: "| WARNING: overflow detected, setting loss scale to: 0.25"
@@ -93,6 +93,9 @@ _METER_NAN = re.compile(r"(?i)(?<![\w-])[a-z][\w-]{0,40}:?\s+(?:nan|inf)\s*\(\s*
 _BARE_PAIR = re.compile(r"(?i)^\s*\d{1,12}\s+" + _NUM + r"\s*$")
 _RANK_PREFIX = re.compile(r"\[rank(\d{1,9})\]")
 _NEEDLES = ("nan", "inf", "loss", "norm", "overflow")
+# TensorBoard refusing a scalar it was asked to log: a value gone NaN/inf, the loss in practice,
+# but not said which: read only where nothing else in the text speaks of the loss's health.
+_LOGGED_NAN = re.compile(r"NaN\s*or\s*Inf\s*found\s*in\s*input\s*tensor")
 
 
 def _value(text: str) -> float | None:
@@ -188,9 +191,10 @@ def _scale_findings(reductions: list[tuple[float, float | None, str, int | None]
     final = run[-1][0] if run else None
     # A scale cut below 1 has collapsed even when one line shows it: the gradients overflow
     # fp16 unscaled, so that scale was reached by many halvings, none of which recovered.
-    # A scaler that "reduces" the scale to no less than it was is at its floor (DeepSpeed's
-    # min_loss_scale: "Attempted loss scale: 1, reducing to 1").
-    minimum = minimum + [r[2] for r in run if r[1] is not None and r[0] >= r[1]]
+    # A scaler that "reduces" a scale of 1 or less to no less is at its floor (DeepSpeed's
+    # min_loss_scale: "Attempted loss scale: 1, reducing to 1"); above that, the same words
+    # are its hysteresis holding the scale for a few overflows.
+    minimum = minimum + [r[2] for r in run if r[1] is not None and r[0] >= r[1] and r[1] <= 1.0]
     collapsed = bool(minimum) or (final is not None and (final < 1.0 or (len(run) >= MIN_FALLS
                                                                            and final <= COLLAPSE_SCALE)))
     if not collapsed:
@@ -213,6 +217,11 @@ def loss_health_findings(lines: list[str]) -> list[dict]:
         # The logged scale falls beside a loss gone non-finite: the scaler reacting to it, one story.
         reductions = []
     findings = nan + _scale_findings(reductions, minimum)
+    if not findings and (logged := [line for line in lines if "found in input tensor" in line
+                                    and _LOGGED_NAN.search(line)]):
+        finding = error_finding("loss_nan", _evidence(logged))
+        finding.update(source="tensorboard", non_finite_values=len(logged))
+        findings = [finding]
     for finding in findings:
         finding["_role"] = "finding"
     return findings

@@ -162,6 +162,7 @@ def task_signalled(m: re.Match[str]) -> dict:
 def mpi_signalled(m: re.Match[str]) -> dict:
     """mpirun's "process rank 3 with PID 1234 on node x exited on signal 9 (Killed)"."""
     number = int(m.group("num"))
-    return {"rank": int(m.group("rank")), "pid": int(m.group("pid")), "exit_code": -number,
+    pid = m.group("pid")
+    return {"rank": int(m.group("rank")), "pid": int(pid) if pid.isdigit() else None, "exit_code": -number,
             "signal": signal_name(number)}
 

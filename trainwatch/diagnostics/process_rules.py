@@ -68,8 +68,12 @@ PROCESS_RULES: tuple[LineRule, ...] = (
         r"srun:\s*error:\s*\S+:\s*tasks?\s*(?P<task>[\d,\-]+):\s*(?P<what>Killed|Segmentation fault|Bus error|Aborted)"),
         task_signalled),
     LineRule("mpirun-signalled", "noticed", "child_failed", re.compile(
-        r"noticed\s*that\s*process\s*rank\s*(?P<rank>\d{1,9})\s*with\s*PID\s*(?P<pid>\d{1,12})\s*on\s*node\s*\S+"
+        r"noticed\s*that\s*process\s*rank\s*(?P<rank>\d{1,9})\s*with\s*PID\s*(?P<pid>\S{1,20})\s*on\s*node\s*\S+"
         r"\s*exited\s*on\s*signal\s*(?P<num>\d{1,3})"), mpi_signalled),
+    # Open MPI's summary when a rank exits non-zero (its PID may be redacted in a paste).
+    LineRule("mpirun-nonzero", "non-zero exit code", "child_failed", re.compile(
+        r"Primary\s*job\s*terminated\s*normally,\s*but\s*\d{1,9}\s*process(?:es)?\s*returned\s*a?\s*non-zero\s*exit\s*code"),
+        _nothing),
     # A data loader's time-out for one batch: torch's "DataLoader timed out after 120 seconds",
     # MXNet Gluon's "Worker timed out after 120 seconds".
     LineRule("dataloader-timeout", "timed out after", "dataloader", re.compile(
