@@ -97,6 +97,12 @@ def _dump_signal(m: re.Match[str]) -> dict:
     return facts
 
 
+def _at_work(lead: str) -> re.Pattern[str]:
+    """"<lead> N, last enqueued NCCL work: E, last completed NCCL work: C"."""
+    return re.compile(_words(lead) + r"\s*(?P<seq>" + _INT + r"),\s*" + _words("last enqueued NCCL work:")
+                      + r"\s*(?P<enq>" + _INT + r"),\s*" + _words("last completed NCCL work:") + r"\s*(?P<comp>" + _INT + ")")
+
+
 _PG_NAME = re.compile(r"PG\s*GUID\s*\d+\s*\((?P<name>[^)\]]+)\)")
 
 
@@ -137,27 +143,18 @@ RULES: tuple[LineRule, ...] = (
         r"[Cc]aught\s*collective\s*operation\s*timeout\b"), _work, family="watchdog-timeout"),
     LineRule("nccl-blocking-wait", "blocking", "collective_timeout", re.compile(
         r"Work\s*" + _WORK + r"\s*" + _words("timed out in blocking wait")), _work),
-    LineRule("nccl-timeout-at-work", "enqueued", "collective_timeout", re.compile(
-        _words("Timeout at NCCL work:") + r"\s*(?P<seq>" + _INT + r"),\s*" + _words("last enqueued NCCL work:")
-        + r"\s*(?P<enq>" + _INT + r"),\s*" + _words("last completed NCCL work:") + r"\s*(?P<comp>" + _INT + ")"),
-        _progress, family="progress"),
-    # "Exception (either an error or timeout)": an error or a timeout, so it
-    # only adds numbers to a timeout finding and never makes one by itself.
+    LineRule("nccl-timeout-at-work", "enqueued", "collective_timeout", _at_work("Timeout at NCCL work:"), _progress,
+             family="progress"),
     # torch >= 2.4 says which it was: "Work timeout is detected by watchdog at work: 3502, ...",
     # "NCCL error is detected by watchdog at work: 2210, ...".
-    LineRule("nccl-timeout-detected", "enqueued", "collective_timeout", re.compile(
-        _words("Work timeout is detected by watchdog at work:") + r"\s*(?P<seq>" + _INT + r"),\s*"
-        + _words("last enqueued NCCL work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
-        + _words("last completed NCCL work:") + r"\s*(?P<comp>" + _INT + ")"), _progress, family="progress"),
-    LineRule("nccl-error-detected", "enqueued", "nccl_error", re.compile(
-        _words("NCCL error is detected by watchdog at work:") + r"\s*(?P<seq>" + _INT + r"),\s*"
-        + _words("last enqueued NCCL work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
-        + _words("last completed NCCL work:") + r"\s*(?P<comp>" + _INT + ")"), _progress, family="progress"),
-    LineRule("nccl-exception-at-work", "enqueued", "collective_timeout", re.compile(
-        _words("detected by watchdog at work:") + r"\s*(?P<seq>" + _INT + r"),\s*"
-        + _words("last enqueued NCCL work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
-        + _words("last completed NCCL work:") + r"\s*(?P<comp>" + _INT + ")"), _progress, role="support",
-        family="progress"),
+    LineRule("nccl-timeout-detected", "enqueued", "collective_timeout",
+             _at_work("Work timeout is detected by watchdog at work:"), _progress, family="progress"),
+    LineRule("nccl-error-detected", "enqueued", "nccl_error", _at_work("NCCL error is detected by watchdog at work:"),
+             _progress, family="progress"),
+    # "Exception (either an error or timeout)": an error or a timeout, so it
+    # only adds numbers to a timeout finding and never makes one by itself.
+    LineRule("nccl-exception-at-work", "enqueued", "collective_timeout", _at_work("detected by watchdog at work:"),
+             _progress, role="support", family="progress"),
     LineRule("nccl-failure-at-work", "enqueued", "collective_timeout", re.compile(
         _words("failure detected by watchdog at work sequence id:") + r"\s*(?P<seq>" + _INT + r")\s*"
         + _words("PG status: last enqueued work:") + r"\s*(?P<enq>" + _INT + r"),\s*"
