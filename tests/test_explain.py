@@ -986,6 +986,27 @@ def test_routine_lines_of_a_healthy_run_are_not_faults(line: str) -> None:
     assert [(c, s) for c, s in _categories(line) if s not in ("info", "low")] == []
 
 
+@pytest.mark.parametrize("text, category", [
+    ("While running the train script, the dataloader gets stuck at `data = training_queue.get(block=True)` in train.py",
+     "dataloader"),
+    ("正常跑了7-8个小时，突然卡住在 torch.cuda.current_stream().synchronize()", "cuda_sync"),
+    ("After 3 epochs every rank hangs in dist.barrier() after validation", "barrier"),
+    ("Rank 0 is stuck inside all_reduce while the others already finished the epoch", "collective_wait"),
+    ("the job freezes while saving the checkpoint with torch.save(state, path)", "checkpoint_io"),
+])
+def test_a_hang_described_in_words_names_where_it_waits(text: str, category: str) -> None:
+    """Only when nothing else explains the text, and at medium severity: words are weaker
+    evidence than a stack."""
+    assert _categories(text) == [(category, "medium")]
+
+
+def test_words_without_a_hang_or_beside_real_evidence_add_nothing() -> None:
+    assert _categories("We broadcast the parameters and use a DataLoader with 8 workers.") == []
+    assert _categories("The run got stuck.") == []  # no place named
+    text = ("training hangs in all_reduce\nRuntimeError: CUDA error: an illegal memory access was encountered")
+    assert [c for c, _ in _categories(text)] == ["illegal_memory_access"]
+
+
 def test_an_exception_nothing_else_explains_is_other_at_low_severity() -> None:
     text = ("I tried `python tools/train_net.py`, but got an error says `TypeError: get_default_optimizer_params() "
             "got an unexpected keyword argument 'lr_factor_func'`.")
