@@ -95,9 +95,9 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
 
 ANCHOR_WORDS = (
     "timed out", "rendezvous", "stalled", "communicators", "nccl hang", "mismatched", "truncated", "inconsistent",
-    "task", "coordination", "jax", "tasks to start", "lost communication", "remote process exited", "api mismatch",
-    "cudnn", "cuda", "memory allocation failed", "out of memory", "oom", "exited with exit code", "mpi_abort",
-    "time limit", "not enough slots", "dataloader", "reader thread", "deadline_exceeded", "ran out of memory",
-    "status", "error:", "ncclsuccess",
+    "heartbeat", "coordination", "jax", "tasks to start", "lost communication", "remote process exited",
+    "api mismatch", "cudnn", "cuda backend", "cuda-enabled", "memory", "oom_kill", "oom-kill", "exited with exit code",
+    "mpi_abort", "time limit", "not enough slots", "dataloader", "reader thread", "deadline_exceeded", "error",
+    "ncclsuccess",
 )
 """Words one of whose lower-cased forms every FRAMEWORK_RULES message holds (log_rules' pre-filter)."""
