@@ -18,6 +18,7 @@ from trainwatch.diagnostics.boxed_text import unbox
 from trainwatch.diagnostics.findings import FINDING_KEYS
 from trainwatch.diagnostics.kernel_log import xid_findings
 from trainwatch.diagnostics.logparse import ParsedLog, parse_log, rank_from_name, unexplained_exception
+from trainwatch.diagnostics.cues import cue_findings
 from trainwatch.diagnostics.prose import prose_hang
 from trainwatch.diagnostics.rank_comparison import collapse_ranks, mismatch_findings
 from trainwatch.diagnostics.stack_groups import stack_findings
@@ -109,8 +110,8 @@ def explain_inputs(inputs: list[tuple[str, bytes]]) -> dict:
         batch = hardware + parsed.findings + stacks
         if not batch:
             # Nothing known explains it: a hang the text describes in words, else the
-            # exception it ended on, if any, as `other`.
-            batch = prose_hang(text) or unexplained_exception(text)
+            # area whose words it speaks (low) and the exception it ended on, if any, as `other`.
+            batch = prose_hang(text) or cue_findings(text) + unexplained_exception(text)
         findings += [_normalize(f, file_rank) for f in batch]
     # The same error printed in several rank files is one finding with
     # several ranks; stack and Xid findings pass through as their parsers made them.

@@ -225,3 +225,18 @@ def loss_health_findings(lines: list[str]) -> list[dict]:
     for finding in findings:
         finding["_role"] = "finding"
     return findings
+
+
+def judged_areas(lines: list[str]) -> set[str]:
+    """The loss-health categories whose values these lines print, found healthy or not: a
+    reader that has weighed the numbers is not overruled by the words around them. A scaler cut
+    again and again (ROUTINE_CUTS or more) stays open to them even while its scale is large."""
+    metrics, _, reductions, minimum, _ = _series(lines)
+    printed_scale = any(_SCALE_VALUE.search(line) or _DS_OVERFLOW.search(line) or _APEX_OVERFLOW.search(line)
+                        for line in lines if "scal" in line.lower())
+    return ({"loss_nan"} if metrics else set()) | (
+        {"loss_scale_collapse"} if minimum or (printed_scale and len(reductions) < ROUTINE_CUTS) else set())
+
+
+ROUTINE_CUTS = 5
+"""Scale cuts a calibrating scaler makes in a log excerpt without anyone worrying."""
