@@ -77,9 +77,10 @@ EARLIER_ROUNDS = (
 )
 """First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
 corpus measured it), kept for the record."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
 """Whether a part's misses have been looked at while writing rules. The round-15 held-out set's have
-not: its live figure is its first score."""
+been (the store barrier's wait, a stale build lock, CUDA failures in NCCL's transports, a crash in the
+project's own code under a DataLoader worker): its first score is its figure."""
 
 
 def _label(path: Path) -> dict:

@@ -1087,6 +1087,59 @@ def test_round_14_classes(text: str, category: str) -> None:
     assert [c for c, _ in _categories(text)][:1] == [category]
 
 
+@pytest.mark.parametrize("text, category", [
+    ("I0301 10:00:00.1 1400 distributed_c10d.py:337] Waiting in store based barrier to initialize process group for "
+     "rank: 5, key: store_based_barrier_key:1 (world_size=16, worker_count=15, timeout=0:30:00)", "barrier"),
+    ("Warning: Lock file exists in build directory: '/root/.cache/torch_extensions/py310_cu121/fused_adam/lock'",
+     "compile_lock"),
+    ("RuntimeError: connect() timed out.", "heartbeat_timeout"),
+    ("RuntimeError: CUDA error: an illegal cuda memory access was encountered", "illegal_memory_access"),
+    ("host:77:77 [2] transport/p2p.cc:298 NCCL WARN Cuda failure 'invalid argument'", "nccl_error"),
+    ("host:77:77 [2] transport/net_ib.cc:1002 NCCL WARN Cuda failure 'invalid device context'", "nccl_error"),
+    ("host:77:90 [2] proxy.cc:1625 NCCL WARN [Service thread] Accept failed Resource temporarily unavailable",
+     "nccl_error"),
+    # Outside NCCL's transports the CUDA call that failed names it.
+    ("host:77:90 [1] enqueue.cc:42 NCCL WARN Cuda failure 'named symbol not found'", "cuda_error"),
+])
+def test_round_15_classes(text: str, category: str) -> None:
+    """Classes round 15's held-out texts showed: a rank waiting 10 s or more at the store
+    barrier, a stale extension build lock, older torch's store connect time-out, "illegal cuda
+    memory access", and CUDA failures inside NCCL's transports and proxy (its own set-up)."""
+    assert [c for c, _ in _categories(text)][:1] == [category]
+
+
+def test_a_store_barrier_wait_names_the_rank_and_how_many_have_arrived() -> None:
+    text = "\n".join(f"distributed_c10d.py:337] Waiting in store based barrier to initialize process group for rank: "
+                     f"{r}, key: store_based_barrier_key:2 (world_size=8, worker_count=7, timeout=0:30:00)"
+                     for r in (2, 7))
+    found = [f for f in explain_inputs([("t.log", text.encode())])["findings"] if f["category"] == "barrier"]
+    assert found and found[0]["severity"] == "medium" and found[0]["runbook"] == "barrier-hang"
+    assert sorted(found[0]["ranks"] or [found[0]["rank"]]) == [2, 7]
+    assert found[0]["world_size"] == 8 and found[0]["joined"] == 7
+
+
+_WORKER_TRACEBACK = """RuntimeError: Caught RuntimeError in DataLoader worker process 3.
+Original Traceback (most recent call last):
+  File "/env/lib/python3.10/site-packages/torch/utils/data/_utils/worker.py", line 308, in _worker_loop
+    data = fetcher.fetch(index)
+  File "/env/lib/python3.10/site-packages/torch/utils/data/_utils/fetch.py", line 54, in fetch
+    return self.collate_fn(data)
+  File "myproject/data.py", line 93, in __call__
+    padded[i, :n] = x
+{exception}
+"""
+
+
+def test_an_exception_the_projects_own_code_raised_is_a_crash_there_not_a_wait_below_it() -> None:
+    crash = _WORKER_TRACEBACK.format(exception="RuntimeError: The expanded size of the tensor (113) must match "
+                                               "the existing size (114) at non-singleton dimension 1.")
+    assert "dataloader" not in [c for c, _ in _categories(crash)]
+    assert "other" in [c for c, _ in _categories(crash)]
+    # Interrupted there (Ctrl-C on a hang), the same frames are where it waited.
+    interrupted = _WORKER_TRACEBACK.format(exception="KeyboardInterrupt")
+    assert "dataloader" in [c for c, _ in _categories(interrupted)]
+
+
 def test_deepspeeds_hysteresis_holding_a_large_scale_is_no_floor() -> None:
     """DeepSpeed's newer wording is read, and "reducing to" the same large scale is its
     hysteresis at work (calibration from 2^32), not a scaler at its floor."""

@@ -453,9 +453,11 @@ def test_every_category_has_a_runbook_and_severity() -> None:
     severities = {"info", "low", "medium", "high", "critical"}
     for category, (severity, runbook) in ERROR_CATEGORIES.items():
         assert severity in severities
-        # The exceptions share the runbook of a stack category (ECC, a data loader that stalls), or
-        # name what `other` is when a log says it (a Python exception nothing else explains).
-        assert runbook.replace("-", "_") == category or runbook in ("gpu-ecc", "dataloader-stall", "python-exception")
+        # The exceptions share the runbook of a stack category (ECC, a data loader that stalls, a
+        # barrier, an extension build's lock), or name what `other` is when a log says it (a
+        # Python exception nothing else explains).
+        assert runbook.replace("-", "_") == category or runbook in (
+            "gpu-ecc", "dataloader-stall", "barrier-hang", "cpp-extension-lock", "python-exception")
 
 
 # -- cross-rank comparison ------------------------------------------------------------------------

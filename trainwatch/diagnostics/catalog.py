@@ -34,17 +34,8 @@ from trainwatch.diagnostics.frame_rules import (  # noqa: F401 - re-exported for
 )
 from trainwatch.diagnostics.stacks import Frame, ProcessStack, ThreadStack, is_address
 
-CATEGORIES = (
-    "collective_wait",
-    "moe_all_to_all",
-    "barrier",
-    "gc_collect",
-    "dataloader",
-    "checkpoint_io",
-    "compile_lock",
-    "cuda_sync",
-    "other",
-)
+CATEGORIES = ("collective_wait", "moe_all_to_all", "barrier", "gc_collect", "dataloader", "checkpoint_io",
+              "compile_lock", "cuda_sync", "other")
 """Stack categories from DESIGN.md; every pattern belongs to exactly one."""
 
 
@@ -398,6 +389,10 @@ _LIBC_WAIT = re.compile(r"(?:^|/)(?:libc|libpthread|ld-linux[\w-]*)(?:[.-][\w.]*
                         r"|(?:^|/)(?:pthread_cond_wait|futex-internal|poll|nanosleep)\.[cS]$")
 
 
+_RAISED_HERE = re.compile(USER_CODE)
+_INTERRUPTED = re.compile(r"KeyboardInterrupt|SystemExit|Timeout|timed\s*out", re.I)
+
+
 def _candidates(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
     """The frames a signature's rules are checked against."""
     if sig.innermost_raw:
@@ -415,6 +410,9 @@ def _candidates(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) 
 def _satisfies(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) -> Frame | None:
     if sig.exception is not None and not (thread.exception and _rx(sig.exception).search(thread.exception)):
         return None
+    if sig.exception is None and thread.exception and _RAISED_HERE.search(frames[0].file if frames else "<") \
+            and not _INTERRUPTED.search(thread.exception):
+        return None  # raised by the project's own code: a crash there, not a wait below it
     if sig.busy and (thread.active is False or thread.exception):
         return None
     candidates = _candidates(sig, thread, frames)

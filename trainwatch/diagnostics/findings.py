@@ -38,6 +38,10 @@ ERROR_CATEGORIES: dict[str, tuple[str, str]] = {
     # kinds and runbooks as the live detectors. A collapse below scale 1 is "high".
     "loss_nan": ("critical", "loss-nan"),
     "loss_scale_collapse": ("medium", "loss-scale-collapse"),
+    # Start-up waits a log states: a rank waiting at the store barrier for peers that have not
+    # arrived, a build of a C++/CUDA extension blocked by another's (or a dead one's) lock file.
+    "barrier": ("medium", "barrier-hang"),
+    "compile_lock": ("medium", "cpp-extension-lock"),
     # A Python exception none of the above names, read only when nothing else explains the text.
     "other": ("low", "python-exception"),
 }

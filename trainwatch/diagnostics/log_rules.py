@@ -227,7 +227,7 @@ RULES: tuple[LineRule, ...] = (
     # Older torch's words for the same ("connect() timed out. Original timeout was 1800000 ms."),
     # a store that answered out of protocol, and the store's own network error.
     LineRule("store-connect-old", "timed out", "heartbeat_timeout", re.compile(
-        r"connect\(\)\s*timed\s*out\.\s*Original\s*timeout\s*was\s*\d{1,12}\s*ms"), _nothing),
+        r"connect\(\)\s*timed\s*out\.\s*Original\s*timeout\s*was\s*\d{1,12}\s*ms|Error:\s*connect\(\)\s*timed\s*out"), _nothing),
     LineRule("store-protocol", "stop_waiting", "heartbeat_timeout", re.compile(
         _words("Stop_waiting response is expected")), _nothing),
     LineRule("store-network-error", "distnetworkerror", "heartbeat_timeout", re.compile(
@@ -298,6 +298,8 @@ RULES: tuple[LineRule, ...] = (
     LineRule("nccl-warn-retcode", "retcode", "nccl_error", re.compile(
         r"NCCL\s*WARN\s*\[[^\]]*\]\s*Failed\s*to\s*execute\s*operation\s*(?P<oper>\w+)\s*from\s*rank\s*"
         r"(?P<peer>\d{1,9}),\s*retcode\s*(?P<code>\d{1,9})"), nccl_retcode),
+    LineRule("nccl-proxy-accept", "accept failed", "nccl_error", re.compile(
+        r"NCCL\s*WARN\s*\[(?:Proxy\s*)?Service\s*thread\]\s*Accept\s*failed"), _nothing),
     LineRule("nccl-code", "nccl", "nccl_error", re.compile(
         r"\b(?P<code>nccl(?:UnhandledCudaError|SystemError|InternalError|InvalidArgument|InvalidUsage"
         r"|RemoteError))\s*:"),
@@ -307,7 +309,7 @@ RULES: tuple[LineRule, ...] = (
         _words("uncorrectable ECC error encountered") + r"|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable"),
         _nothing, family="cuda"),
     LineRule("cuda-illegal-address", "illegal", "illegal_memory_access", re.compile(
-        _words("illegal memory access was encountered") + r"|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS"),
+        r"illegal\s*(?:cuda\s*)?memory\s*access\s*was\s*encountered|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS"),
         _nothing, family="cuda"),
     LineRule("cuda-misaligned-address", "misaligned", "illegal_memory_access", re.compile(
         r"\b(?i:CUDA\s*error)\s*:\s*misaligned\s*address|" + _CUDA_CHECK + r"\s*misaligned\s*address"
@@ -339,6 +341,9 @@ RULES: tuple[LineRule, ...] = (
     # encountered'" (the specific CUDA rules above read the quoted text first).
     LineRule("nccl-cuda-failure-oom", "failure", "oom", re.compile(
         r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'out of memory'"), _nothing, family="cuda"),
+    # ... in NCCL's transports or proxy (P2P / IPC set-up between GPUs): NCCL's own connection failed.
+    LineRule("nccl-transport-cuda-failure", "failure", "nccl_error", re.compile(
+        r"(?:transport/\S+|proxy\.cc|p2p\.cc):\d+\s*NCCL\s*WARN\s*Cuda\s*failure"), _nothing, family="cuda"),
     LineRule("nccl-cuda-failure", "failure", "cuda_error", re.compile(
         r"NCCL\s*WARN\s*Cuda\s*failure\s*(?:\d{1,4}\s*)?'(?P<msg>[^']{1,200})'"), cuda_message, family="cuda"),
     # A CUDA extension's own check, and the runtime's words wherever they are printed.
@@ -442,7 +447,7 @@ _ANCHOR_WORDS = (
     "already in use", "duplicate gpu", "find an engine", "killing subprocess", "warp", "nvidia driver", "gpus",
     "deferredcudacallerror", "deadline_exceeded", "cudnn", "remote peer", "worker group failed", "actor died",
     "worker died", "ran out of memory", "child process", "stop_waiting", "nan or inf", "got 0 bytes", "non-zero exit code", *_FRAMEWORK_WORDS, "distnetworkerror", "raisedexception",
-    "non-zero exit status", "horovod has been shut down", "mmap",
+    "non-zero exit status", "horovod has been shut down", "mmap", "store based barrier", "lock file", "accept failed",
 )
 
 

@@ -89,6 +89,18 @@ PROCESS_RULES: tuple[LineRule, ...] = (
     LineRule("dataloader-worker-segv", "encountered in worker", "dataloader_worker_killed", re.compile(
         r"(?i)Unexpected\s*(?:segmentation\s*fault|floating-point\s*exception)\s*encountered\s*in\s*"
         r"(?:DataLoader\s*)?worker"), _nothing),
+    # -- start-up waits ---------------------------------------------------------------
+    # torch logs this every 10 s a rank waits at init_process_group's store barrier, so a line is
+    # a wait of 10 s or more: "Waiting in store based barrier to initialize process group for
+    # rank: 2, key: store_based_barrier_key:2 (world_size=8, worker_count=7, timeout=0:30:00)".
+    LineRule("store-barrier-wait", "store based barrier", "barrier", re.compile(
+        _words("Waiting in store based barrier to initialize process group for rank:") + r"\s*(?P<rank>\d{1,9})"
+        r"(?:.{0,120}?world_size=(?P<world>\d{1,9}),\s*(?:worker_count|num_workers_joined)=(?P<joined>\d{1,9}))?"),
+        lambda m: {"rank": int(m.group("rank")), "world_size": int(m.group("world")) if m.group("world") else None,
+                   "joined": int(m.group("joined")) if m.group("joined") else None}),
+    # torch.utils.cpp_extension finding the lock an earlier (perhaps killed) build left behind.
+    LineRule("extension-lock-file", "lock file", "compile_lock", re.compile(
+        _words("Lock file exists in build directory")), _nothing),
     # Shared memory full while a worker hands a batch over (/dev/shm too small in a container):
     # "unable to write to file </torch_18692_1954506624>: No space left on device (28)".
     LineRule("dataloader-shm", "torch_", "dataloader_worker_killed", re.compile(
