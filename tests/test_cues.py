@@ -43,6 +43,9 @@ def _explained(text: str) -> list[tuple[str, str]]:
     ("it hangs: all ranks wait in the all_gather of the next step", "collective_wait"),
     ("stuck forever at 'Waiting for lock on /root/.cache/torch_extensions/fused_adam'", "compile_lock"),
     ("dmesg shows Xid 79 right before the job died", "xid"),
+    ("rank 3 keeps waiting in the store based barrier after the others started", "barrier"),
+    ("the build is waiting on a lock file under torch_extensions from a killed run", "compile_lock"),
+    ("多卡训练时 all_reduce 超时，单卡正常", "collective_timeout"),
     ("nvidia-smi -q shows an uncorrectable ECC error count of 2 on GPU 3", "ecc"),
 ])
 def test_an_account_in_an_areas_words_is_read_as_that_area_at_low_severity(text: str, category: str) -> None:

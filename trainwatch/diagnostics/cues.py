@@ -75,7 +75,8 @@ CUES: dict[str, tuple[tuple[re.Pattern[str], float, int], ...]] = {
     "collective_timeout": (
         _cue(r"watchdog[^\n]{0,40}time|collective[^\n]{0,40}time\w*\s*out|WorkNCCL|Timed\s*out\s*waiting[^\n]{0,30}(?:recv|send)", 3),
         _cue(r"(?:all_?reduce|all_?gather|broadcast|reduce_?scatter|all_?to_?all)[^\n]{0,60}(?:time\w*\s*out|timeout)"
-             r"|(?:time\w*\s*out|timeout)[^\n]{0,60}(?:all_?reduce|all_?gather|broadcast|reduce_?scatter)", 3),
+             r"|(?:time\w*\s*out|timeout|超时)[^\n]{0,60}(?:all_?reduce|all_?gather|broadcast|reduce_?scatter)"
+             r"|(?:all_?reduce|all_?gather|broadcast|reduce_?scatter|nccl)[^\n]{0,60}超时", 3),
         _cue(r"NCCL_TIMEOUT|TORCH_NCCL_\w*TIMEOUT|\btimeout\s*=\s*timedelta", 1),
         _cue(r"timeout\s*at\s*NCCL\s*work|failed\s*or\s*timed\s*out|detected\s*by\s*watchdog|ProcessGroup\w*\s*timeout", 3),
     ),
@@ -113,7 +114,7 @@ CUES: dict[str, tuple[tuple[re.Pattern[str], float, int], ...]] = {
         _cue(r"cuda(?:Stream|Device|Event)Synchronize|torch\.cuda\.synchronize|cuStreamSynchronize", 3),
     ),
     "barrier": (
-        _cue(r"(?:dist\.|monitored_)barrier|\bbarrier\s*\(", 2),
+        _cue(r"(?:dist\.|monitored_)barrier|\bbarrier\s*\(|store\s*based\s*barrier", 2),
         _cue(r"\bbarrier\b", 1),
     ),
     "collective_wait": (
@@ -123,7 +124,7 @@ CUES: dict[str, tuple[tuple[re.Pattern[str], float, int], ...]] = {
         _cue(r"torch\.save|save_checkpoint|saving\s*(?:the\s*)?(?:model|checkpoint)|save_pretrained|checkpoint\w*\s*(?:save|writ)", 2),
     ),
     "compile_lock": (
-        _cue(r"waiting\s*for\s*lock|torch_extensions|\.lock\b|filelock|cache\s*lock", 3),
+        _cue(r"waiting\s*for\s*lock|lock\s*file|torch_extensions|\.lock\b|filelock|cache\s*lock|file_?baton", 3),
     ),
     "gc_collect": (
         _cue(r"gc\.collect|garbage\s*collect", 3),
@@ -147,7 +148,8 @@ narrower one is read as it, not as the wider ("CUDA error: an illegal memory acc
 
 HANG_STACK = frozenset({"cuda_sync", "barrier", "checkpoint_io", "compile_lock", "gc_collect", "collective_wait"})
 """Areas that are a place a run waits, not an error: their cues count only in a text that says it waits."""
-_WAITS = re.compile(r"\bstuck\b|\bhang|\bhung\b|\bfreez|\bfrozen\b|deadlock|no\s*progress|卡住|卡在|卡死", _I)
+_WAITS = re.compile(r"\bstuck\b|\bhang|\bhung\b|\bfreez|\bfrozen\b|deadlock|no\s*progress|\bwaiting\s*(?:in|for|on)\b"
+                    r"|卡住|卡在|卡死|死锁", _I)
 _CHATTER = re.compile(r"NCCL\s*INFO|^\s*(?:#|//)|site-packages/|\bwarnings\.warn\b"
                       r"|not\s*a\s*failure|(?:can|may)\s*be\s*(?:safely\s*)?ignored|\bharmless\b", _I)
 """Lines whose words are not the failure: NCCL set-up chatter, comments, file paths of frames,
