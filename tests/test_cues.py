@@ -141,3 +141,15 @@ def test_any_text_gives_findings_or_nothing_never_a_traceback(text: str) -> None
 def test_long_texts_of_cue_words_stay_bounded(parts: list[str]) -> None:
     found = cue_findings(" ".join(parts))
     assert len(found) <= 1
+
+
+def test_a_long_text_is_weighed_by_its_start_and_its_end() -> None:
+    """Words are no evidence worth scanning megabytes for: a log's failure is near its end, a
+    pasted issue's near its start, and a line's words come early in it."""
+    filler = "\n".join(f"step {i} | lr 0.001 | acc 0.5" for i in range(40_000))
+    account = "the training loss becomes nan after a while"
+    assert cue_findings(account + "\n" + filler)[0]["category"] == "loss_nan"
+    assert cue_findings(filler + "\n" + account)[0]["category"] == "loss_nan"
+    half = len(filler) // 2
+    assert cue_findings(filler[:half] + "\n" + account + "\n" + filler[half:]) == []
+    assert cue_findings("x" * 600 + account) == []

@@ -165,12 +165,17 @@ MIN_SCORE = 3.0
 """The least score an area needs: one strong cue, or several weak ones that agree."""
 MARGIN = 1.0
 """How much the best area must beat the next: a tie names no area."""
-_MAX_LINES = 4000
-_MAX_LINE = 2000
+_MAX_LINE = 500
+"""Characters of a line weighed: a failure's words come early in its line."""
+_HEAD, _TAIL = 32_000, 96_000
+"""Characters weighed from a text's start and from its end: a log's failure is near its end, a
+pasted issue's near its start, and words are no evidence worth scanning megabytes for."""
 
 
 def _lines(text: str) -> list[str]:
-    return [line[:_MAX_LINE] for line in text.splitlines()[:_MAX_LINES] if not _CHATTER.search(line)]
+    if len(text) > _HEAD + _TAIL:
+        text = text[:_HEAD] + "\n" + text[-_TAIL:]
+    return [line[:_MAX_LINE] for line in text.splitlines() if not _CHATTER.search(line)]
 
 
 def area_scores(text: str) -> dict[str, tuple[float, list[str]]]:
