@@ -79,9 +79,10 @@ EARLIER_ROUNDS = (
 )
 """First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
 corpus measured it), kept for the record."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
 """Whether a part's misses have been looked at while writing rules. The round-16 held-out set's have
-not: its live figure is its first score."""
+been (a crash is not a wait, words weighed beside an `other`, fairseq's scaler, Paddle's and Caffe2's
+stores, a launcher's report beside the worker's exception): its first score is its figure."""
 
 
 def _label(path: Path) -> dict:

@@ -389,8 +389,8 @@ _LIBC_WAIT = re.compile(r"(?:^|/)(?:libc|libpthread|ld-linux[\w-]*)(?:[.-][\w.]*
                         r"|(?:^|/)(?:pthread_cond_wait|futex-internal|poll|nanosleep)\.[cS]$")
 
 
-_RAISED_HERE = re.compile(USER_CODE)
 _INTERRUPTED = re.compile(r"KeyboardInterrupt|SystemExit|Timeout|timed\s*out", re.I)
+"""A traceback's exception that interrupted a wait (Ctrl-C, a time-out): its frames are where it waited."""
 
 
 def _candidates(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
@@ -410,9 +410,8 @@ def _candidates(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) 
 def _satisfies(sig: Signature, thread: ThreadStack, frames: tuple[Frame, ...]) -> Frame | None:
     if sig.exception is not None and not (thread.exception and _rx(sig.exception).search(thread.exception)):
         return None
-    if sig.exception is None and thread.exception and _RAISED_HERE.search(frames[0].file if frames else "<") \
-            and not _INTERRUPTED.search(thread.exception):
-        return None  # raised by the project's own code: a crash there, not a wait below it
+    if sig.exception is None and thread.exception and not _INTERRUPTED.search(thread.exception):
+        return None  # any other exception is a crash where it was raised, not a wait
     if sig.busy and (thread.active is False or thread.exception):
         return None
     candidates = _candidates(sig, thread, frames)

@@ -44,6 +44,9 @@ CUES: dict[str, tuple[tuple[re.Pattern[str], float, int], ...]] = {
         _cue(r"(?:(?:^|\s)-?nan(?=\s|$).*){3}", 3),
         _cue(r"\b(?:nan|inf)s?\b", 1),
         _cue(r"diverg\w*|explod\w*|blow\w*\s*up", 1),
+        _cue(r"\b(?:nan|inf)\b[^\n]{0,60}(?:each|every|all)\s*(?:the\s*)?(?:steps?|iterations?|epochs?|batch\w*)"
+             r"|(?:each|every|all)\s*(?:the\s*)?(?:steps?|iterations?|epochs?|batch\w*)[^\n]{0,60}\b(?:nan|inf)\b", 2),
+        _cue(r"\bfp16\b|16-mixed|half\s*precision|\bautocast\b|\bamp\b|mixed\s*precision", 1),
         _cue(r"\bloss\b", 0.5),
     ),
     "loss_scale_collapse": (

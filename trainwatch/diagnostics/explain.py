@@ -108,10 +108,16 @@ def explain_inputs(inputs: list[tuple[str, bytes]]) -> dict:
         # Hardware findings go first (an Xid often explains everything after
         # it), then the log's errors, then stacks.
         batch = hardware + parsed.findings + stacks
-        if not batch:
-            # Nothing known explains it: a hang the text describes in words, else the
-            # area whose words it speaks (low) and the exception it ended on, if any, as `other`.
-            batch = prose_hang(text) or cue_findings(text) + unexplained_exception(text)
+        if all(f.get("category") == "other" for f in batch):
+            # Nothing known explains it (or only as `other`): a hang the text describes in words,
+            # else the area whose words it speaks (low), then the exception it ended on, if any.
+            batch = (prose_hang(text) or cue_findings(text)) + (batch or unexplained_exception(text))
+        elif {f.get("category") for f in batch} == {"child_failed"}:
+            # A launcher reporting a failed worker beside the exception the worker raised: that
+            # exception is the more specific cause, as `other` when no rule names it.
+            said = [f["evidence"] or "" for f in batch]
+            batch += [f for f in unexplained_exception(text, launcher=False)
+                      if not any(f["evidence"] in s or s in f["evidence"] for s in said)]
         findings += [_normalize(f, file_rank) for f in batch]
     # The same error printed in several rank files is one finding with
     # several ranks; stack and Xid findings pass through as their parsers made them.

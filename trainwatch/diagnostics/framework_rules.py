@@ -45,6 +45,13 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
         _words("Timed out waiting for tasks to start")), _nothing),
     LineRule("orte-lost-daemon", "lost communication", "heartbeat_timeout", re.compile(
         _words("has lost communication with a remote daemon")), _nothing),
+    # Paddle's launcher polling peers' endpoints (one line is start-up; many, a peer that never
+    # came: worth a look, so low), and Caffe2's store handlers timing out a key.
+    LineRule("paddle-endpoints-not-ready", "not ready endpoints", "heartbeat_timeout", re.compile(
+        r"not\s*ready\s*endpoints\s*:\s*\[?\s*'?(?P<peer>[\w.:-]{1,80})"),
+        lambda m: {"peer": m.group("peer"), "severity": "low"}),
+    LineRule("caffe2-store-wait-timeout", "wait timeout", "heartbeat_timeout", re.compile(
+        _words("Wait timeout for name(s):")), _nothing),
     # -- NCCL through other frameworks: ncclRemoteError's words wherever they are quoted --
     LineRule("nccl-remote-error-text", "remote process exited", "nccl_error", re.compile(
         _words("remote process exited or there was a network error")), _nothing),
@@ -98,6 +105,6 @@ ANCHOR_WORDS = (
     "heartbeat", "coordination", "jax", "tasks to start", "lost communication", "remote process exited",
     "api mismatch", "cudnn", "cuda backend", "cuda-enabled", "memory", "oom_kill", "oom-kill", "exited with exit code",
     "mpi_abort", "time limit", "not enough slots", "dataloader", "reader thread", "deadline_exceeded", "error",
-    "ncclsuccess",
+    "ncclsuccess", "not ready endpoints", "wait timeout",
 )
 """Words one of whose lower-cased forms every FRAMEWORK_RULES message holds (log_rules' pre-filter)."""

@@ -353,12 +353,20 @@ _EXCEPTION = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w{0,40}\.){0,8}(?P<cls>[A-Z]\w{
                         r"|\braise\s+(?:[A-Za-z_]\w{0,40}\.){0,8}(?P<raised>[A-Z]\w{0,60}?(?:Error|Exception))\s*\(")
 
 
-def unexplained_exception(text: str) -> list[dict]:
+_LAUNCHER_EXCEPTIONS = re.compile(r"ChildFailedError|Process(?:Raised|Exited)Exception|CalledProcessError"
+                                  r"|SignalException|WorkerGroupFailureException|ActorDiedError|RayActorError"
+                                  r"|WorkerCrashedError")
+"""What launchers raise about a worker that failed: the launcher's report, not the worker's error."""
+
+
+def unexplained_exception(text: str, launcher: bool = True) -> list[dict]:
     """An `other` finding for the last Python exception in a text that nothing else
-    explains (a script's own bug, a version or configuration error); [] without one."""
+    explains (a script's own bug, a version or configuration error); [] without one.
+    `launcher=False` passes over the exceptions launchers raise about their workers."""
     last = None
     for line in text.splitlines():
-        if ("Error" in line or "Exception" in line) and _EXCEPTION.search(line):
+        if ("Error" in line or "Exception" in line) and (m := _EXCEPTION.search(line)) \
+                and (launcher or not _LAUNCHER_EXCEPTIONS.search(m.group(0))):
             last = line
     if last is None:
         return []

@@ -37,6 +37,7 @@ from trainwatch.diagnostics.findings import error_finding
 COLLAPSE_SCALE = 128.0
 """A loss scale at or below this after falling step after step is a collapse: fp16 training
 normally settles between 2^10 and 2^16, and calibration from 2^16 or 2^32 stops well above it."""
+_FAIRSEQ_CUT = re.compile(r"setting\s*loss\s*scale\s*to", re.I)
 MIN_FALLS = 2
 """Consecutive reductions (without a rise between them) that make a trend, not a single overflow."""
 _MAX_EVIDENCE_LINES = 3
@@ -195,7 +196,10 @@ def _scale_findings(reductions: list[tuple[float, float | None, str, int | None]
     # min_loss_scale: "Attempted loss scale: 1, reducing to 1"); above that, the same words
     # are its hysteresis holding the scale for a few overflows.
     minimum = minimum + [r[2] for r in run if r[1] is not None and r[0] >= r[1] and r[1] <= 1.0]
-    collapsed = bool(minimum) or (final is not None and (final < 1.0 or (len(run) >= MIN_FALLS
+    # fairseq's scaler ("setting loss scale to") has its floor at 1e-4 and some of its models
+    # settle at 2^2 to 2^6 (wav2vec): only a scale below 1 has collapsed there.
+    settles_low = bool(run) and all(_FAIRSEQ_CUT.search(r[2]) for r in run)
+    collapsed = bool(minimum) or (final is not None and (final < 1.0 or (len(run) >= MIN_FALLS and not settles_low
                                                                            and final <= COLLAPSE_SCALE)))
     if not collapsed:
         return []

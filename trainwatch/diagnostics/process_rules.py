@@ -80,7 +80,7 @@ PROCESS_RULES: tuple[LineRule, ...] = (
         r"(?:DataLoader|Worker)\s*timed\s*out\s*after\s*\d{1,9}\s*seconds"), _nothing),
     LineRule("dataloader-killed", "dataloader", "dataloader_worker_killed", re.compile(
         r"DataLoader\s*worker\s*(?:\(pid(?:\(s\))?\s*(?P<pids>\d[\d,\s]*)\)\s*)?"
-        r"(?:is\s*killed\s*by\s*signal\s*:\s*(?P<sig>[A-Za-z ]+)|exited\s*unexpectedly"
+        r"(?:is\s*killed\s*by\s*(?:signal|\w{4,8})\s*:\s*(?P<sig>[A-Za-z ]+)|exited\s*unexpectedly"
         r"(?:\s*with\s*exit\s*code\s*(?P<exit>-?\d+))?)"), dataloader_facts),
     LineRule("dataloader-bus-error", "bus", "dataloader_worker_killed", re.compile(
         r"(?i)Unexpected\s*bus\s*error\s*encountered\s*in\s*(?:DataLoader\s*)?worker"), bus_error),

@@ -17,9 +17,11 @@ _HEDGED = re.compile(r"(?i)\b(?:might|may|could|can|would|avoid\w*|prevent\w*|po
 _WINDOW = 160
 """Characters either side of the hang word where the place it names is looked for."""
 PLACES = (
+    # detectron2's (and its descendants') comm.synchronize() is a barrier across ranks, not a CUDA wait.
+    ("barrier", "barrier-hang", re.compile(r"(?i)\b(?:monitored_)?barrier\b|\bcomm\.synchronize\s*\(")),
     ("cuda_sync", "cuda-sync", re.compile(
-        r"cuda(?:Stream|Device|Event)Synchronize|\bsynchronize\s*\(\s*\)|torch\.cuda\.synchronize|\.item\s*\(\s*\)")),
-    ("barrier", "barrier-hang", re.compile(r"(?i)\b(?:monitored_)?barrier\b")),
+        r"cuda(?:Stream|Device|Event)Synchronize|(?<!comm\.)\bsynchronize\s*\(\s*\)|torch\.cuda\.synchronize"
+        r"|\.item\s*\(\s*\)")),
     ("dataloader", "dataloader-stall", re.compile(
         r"(?i)queue\.get\s*\(|\bdata\s*loader\b|\bdataloader\b|next\s*\(\s*iter|_next_data|\bdata\s*loading\b")),
     ("checkpoint_io", "checkpoint-io", re.compile(r"(?i)torch\.save\s*\(|save_checkpoint|\bsaving\s*(?:the\s*)?checkpoint")),
