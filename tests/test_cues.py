@@ -68,6 +68,8 @@ def test_the_xid_number_is_read_when_the_words_give_it() -> None:
     "epoch 1 | loss 2.31 | lr 3e-4",
     "node1:2:9 [0] NCCL INFO Channel 00/02 : 0 1 2 3\nnode1:2:9 [0] NCCL INFO Connected all rings",
     "cublas handle created: CUBLAS_STATUS_SUCCESS",
+    # Settings a process group prints at start-up: names of variables, not events.
+    "ProcessGroupNCCL initialization options: NCCL_ASYNC_ERROR_HANDLING: 1, NCCL_DESYNC_DEBUG: 0",
     "We save the checkpoint with torch.save every 1000 steps.",  # a place, but nothing waits
     "The allocator ran out of memory trying to allocate 2GiB. The caller indicates that this is not a failure.",
 ])

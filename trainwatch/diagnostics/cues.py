@@ -69,8 +69,8 @@ CUES: dict[str, tuple[tuple[re.Pattern[str], float, int], ...]] = {
              r"|DistStoreError|address\s*already\s*in\s*use|EADDRINUSE", 3),
     ),
     "nccl_error": (
-        _cue(r"NCCL\s*(?:error|WARN|failure)|nccl\w*Error|ncclSystemError|ncclInternalError|ncclInvalidUsage"
-             r"|ncclRemoteError|unhandled\s*(?:system|cuda)\s*error", 3),
+        _cue(r"NCCL\s*(?:error|WARN|failure)|ncclSystemError|ncclInternalError|ncclInvalidUsage"
+             r"|ncclInvalidArgument|ncclRemoteError|ncclUnhandledCudaError|unhandled\s*(?:system|cuda)\s*error", 3),
         _cue(r"\bNCCL_(?:P2P|IB|SOCKET|SHM|NET|DEBUG)\w*|libnccl|ncclCommInit\w*|\bIB\b\s*(?:error|verbs)|\bibv_\w+", 1.5),
         _cue(r"\bnccl\b", 1),
         _cue(r"nccl[^\n]{0,80}(?:\bshm\b|shared\s*memory)|(?:\bshm\b|shared\s*memory)[^\n]{0,80}nccl", 3),
@@ -84,7 +84,7 @@ CUES: dict[str, tuple[tuple[re.Pattern[str], float, int], ...]] = {
         _cue(r"timeout\s*at\s*NCCL\s*work|failed\s*or\s*timed\s*out|detected\s*by\s*watchdog|ProcessGroup\w*\s*timeout", 3),
     ),
     "collective_mismatch": (
-        _cue(r"mismatch\w*[^\n]{0,40}(?:collective|rank|shape|size)|desync\w*|different\s*(?:shapes?|sizes?|numbers?\s*of)[^\n]{0,40}ranks?", 3),
+        _cue(r"mismatch\w*[^\n]{0,40}(?:collective|rank|shape|size)|(?<!_)desync\w*|different\s*(?:shapes?|sizes?|numbers?\s*of)[^\n]{0,40}ranks?", 3),
         _cue(r"ranks?[^\n]{0,40}(?:different|out\s*of\s*order|not\s*call\w*)[^\n]{0,40}(?:collective|all_?reduce|all_?gather|broadcast|barrier)", 2),
     ),
     "cuda_error": (
