@@ -66,7 +66,8 @@ CUES: dict[str, tuple[tuple[re.Pattern[str], float, int], ...]] = {
         _cue(r"\[c10d\]", 1),
         _cue(r"\bheartbeat\b|socket\s*timeout|\bsocket\b", 1),
         _cue(r"failed\s*to\s*connect|client\s*socket|waiting\s*for\s*(?:all\s*)?(?:clients|workers|nodes)|clients\s*joined"
-             r"|DistStoreError|address\s*already\s*in\s*use|EADDRINUSE", 3),
+             r"|DistStoreError|address\s*already\s*in\s*use|EADDRINUSE|timed\s*out\s*connecting|failed\s*to\s*become\s*healthy"
+             r"|(?:server|coordinator|service)\b[^\n]{0,40}(?:not\s*ready|unreachable|timed\s*out)", 3),
     ),
     "nccl_error": (
         _cue(r"NCCL\s*(?:error|WARN|failure)|ncclSystemError|ncclInternalError|ncclInvalidUsage"
@@ -99,7 +100,9 @@ CUES: dict[str, tuple[tuple[re.Pattern[str], float, int], ...]] = {
     ),
     "child_failed": (
         _cue(r"ChildFailedError|exit\s*code\s*[:=]?\s*-?\d+|exitcode\s*[:=]?\s*-?\d+|terminated\s*with\s*(?:signal|exit)"
-             r"|returned\s*non-zero\s*exit|killing\s*subprocess|process\s*\d+\s*terminated|non-?zero\s*(?:exit|status)", 3),
+             r"|returned\s*non-zero\s*exit|killing\s*subprocess|process\s*\d+\s*terminated|non-?zero\s*(?:exit|status)"
+             r"|(?:process|worker|actor)\b[^\n]{0,40}(?:terminated|died|exited)\s*unexpectedly|is\s*not\s*alive"
+             r"|no\s*more\s*restarts", 3),
         _cue(r"\bSIG(?:KILL|SEGV|ABRT|BUS|TERM|FPE)\b|\bsignal\s*\d+|segmentation\s*fault|core\s*dumped|\bkilled\b", 1.5),
         _cue(r"mp\.spawn|torchrun|torch\.distributed\.(?:launch|run)|\bsrun\b|mpirun|deepspeed\s*launcher", 1),
     ),
@@ -127,7 +130,7 @@ CUES: dict[str, tuple[tuple[re.Pattern[str], float, int], ...]] = {
         _cue(r"torch\.save|save_checkpoint|saving\s*(?:the\s*)?(?:model|checkpoint)|save_pretrained|checkpoint\w*\s*(?:save|writ)", 2),
     ),
     "compile_lock": (
-        _cue(r"waiting\s*for\s*lock|lock\s*file|torch_extensions|\.lock\b|filelock|cache\s*lock|file_?baton", 3),
+        _cue(r"waiting\s*for\s*lock|lock\s*file|file\s*lock|acquir\w*\s*(?:the\s*)?lock|torch_extensions|\.lock\b|filelock|cache\s*lock|file_?baton", 3),
     ),
     "gc_collect": (
         _cue(r"gc\.collect|garbage\s*collect", 3),
@@ -151,7 +154,7 @@ narrower one is read as it, not as the wider ("CUDA error: an illegal memory acc
 
 HANG_STACK = frozenset({"cuda_sync", "barrier", "checkpoint_io", "compile_lock", "gc_collect", "collective_wait"})
 """Areas that are a place a run waits, not an error: their cues count only in a text that says it waits."""
-_WAITS = re.compile(r"\bstuck\b|\bhang|\bhung\b|\bfreez|\bfrozen\b|deadlock|no\s*progress|\bwaiting\s*(?:in|for|on)\b"
+_WAITS = re.compile(r"\bstuck\b|\bhang|\bhung\b|\bfreez|\bfrozen\b|deadlock|no\s*progress|\bwaiting\s*(?:in|for|on)\b|acquir\w*\s*(?:the\s*)?lock"
                     r"|卡住|卡在|卡死|死锁", _I)
 _CHATTER = re.compile(r"NCCL\s*INFO|^\s*(?:#|//)|site-packages/|\bwarnings\.warn\b"
                       r"|not\s*a\s*failure|(?:can|may)\s*be\s*(?:safely\s*)?ignored|\bharmless\b", _I)

@@ -62,6 +62,30 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
     LineRule("jax-no-cuda", "cuda", "cuda_error", re.compile(
         r"CUDA\s*backend\s*failed\s*to\s*initialize|An\s*NVIDIA\s*GPU\s*may\s*be\s*present\s*on\s*this\s*machine,\s*"
         r"but\s*a\s*CUDA-enabled\s*jaxlib\s*is\s*not\s*installed"), _nothing),
+    # The runtime's words from libraries that wrap it (TransformerEngine, NVML, flash-attention,
+    # bitsandbytes), and DCGM's NVLink health.
+    LineRule("wrapped-cuda-library-error", "error", "cuda_error", re.compile(
+        r"\b(?:cuBLAS(?:Lt)?|cuDNN|NVRTC|CUDA\s*Driver)\s*Error\s*:|Failed\s*to\s*initialize\s*NVML:\s*Driver/library"
+        r"|CUDA\s*SETUP\s*ERROR"), _nothing),
+    LineRule("gpu-arch-unsupported", "supports", "cuda_error", re.compile(
+        r"only\s*supports\s*(?:Ampere|Turing|Hopper|Volta)\s*GPUs\s*or\s*newer"), _nothing),
+    LineRule("dcgm-nvlink", "nvlink", "cuda_error", re.compile(
+        r"NvLink\s*link\s*\d{1,3}\s*is\s*currently\s*down|\d{1,9}\s*\w{0,40}\s*NvLink\s*errors\s*on\s*GPU"), _nothing),
+    # NCCL refusing ranks built against different NCCL versions.
+    LineRule("nccl-version-mismatch", "mismatched", "nccl_error", re.compile(
+        _words("NCCL WARN Mismatched NCCL version detected")), _nothing),
+    # nvidia-resiliency-ext's rank monitor: a rank that stopped sending heartbeats, a section
+    # (a step, a checkpoint) open past its time-out.
+    LineRule("nvrx-heartbeat", "heartbeat", "heartbeat_timeout", re.compile(
+        r"Did\s*not\s*get\s*(?:subsequent|initial)\s*heartbeat\.\s*Waited\s*\d"), _nothing),
+    LineRule("nvrx-section-timeout", "timeout is", "heartbeat_timeout", re.compile(
+        r"Section\s*'[^']{1,80}'\s*has\s*been\s*open\s*for\s*[\d.]{1,12}\s*seconds\.\s*Timeout\s*is"), _nothing),
+    # Ray-based trainers (verl) noticing a worker actor died; accelerate halving the batch size
+    # after each out-of-memory until none is left.
+    LineRule("ray-worker-not-alive", "not alive", "child_failed", re.compile(
+        r"worker\s*Actor\([^)]{0,120}\)\s*is\s*not\s*alive"), _nothing),
+    LineRule("accelerate-batch-size-zero", "executable batch size", "oom", re.compile(
+        _words("No executable batch size found, reached zero")), _nothing),
     # -- memory and processes under a scheduler -----------------------------------------
     # TensorFlow's and XLA's BFC allocator, unless it says the caller survives it.
     LineRule("bfc-oom", "ran out of memory", "oom", re.compile(
@@ -105,6 +129,7 @@ ANCHOR_WORDS = (
     "heartbeat", "coordination", "jax", "tasks to start", "lost communication", "remote process exited",
     "api mismatch", "cudnn", "cuda backend", "cuda-enabled", "memory", "oom_kill", "oom-kill", "exited with exit code",
     "mpi_abort", "time limit", "not enough slots", "dataloader", "reader thread", "deadline_exceeded", "error",
-    "ncclsuccess", "not ready endpoints", "wait timeout",
+    "ncclsuccess", "not ready endpoints", "wait timeout", "supports", "nvlink", "mismatched", "not alive",
+    "executable batch size", "timeout is", "setup error",
 )
 """Words one of whose lower-cased forms every FRAMEWORK_RULES message holds (log_rules' pre-filter)."""

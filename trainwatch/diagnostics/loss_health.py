@@ -70,7 +70,10 @@ _ABORT_NAN = re.compile(
     r"|Loss\s*became\s*infinite\s*or\s*NaN|\bNaN\s*loss\s*(?:detected|encountered|found)"
     # JAX's jax_debug_nans: "FloatingPointError: invalid value (nan) encountered in mul"
     r"|invalid\s*value\s*\(nan\)\s*encountered\s*in"
-    r"|Function\s*'\w{1,80}'\s*returned\s*nan\s*values\s*in\s*its\s*\d+(?:st|nd|rd|th)\s*output")
+    r"|Function\s*'\w{1,80}'\s*returned\s*nan\s*values\s*in\s*its\s*\d+(?:st|nd|rd|th)\s*output"
+    # Megatron(-FSDP)'s and NeMo's gradient checks: "Detected NaN or Inf in wgrad", "detected inf
+    # or nan values in gradients! Setting gradients to zero."
+    r"|detected\s*(?:NaN\s*or\s*Inf|inf\s*or\s*nan)\s*(?:values\s*)?in\s*(?:the\s*)?(?:w?grad\w*|gradients?)")
 # DeepSpeed: "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32"
 _DS_OVERFLOW = re.compile(
     r"(?i:OVERFLOW!|fp16\s*dynamic\s*loss\s*scale\s*overflow!)\s*Rank\s*(?P<rank>\d{1,9})\s*Skipping\s*step\.\s*Attempted\s*loss\s*scale:\s*"
