@@ -40,7 +40,10 @@ CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explai
 FIELDS = ("op", "rank", "xid", "severity")
 PARTS = ("dev", "retired", "heldout")
 PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 16, seen)", "heldout": "heldout (round 17)"}
-FIRST_UNSEEN_SCORE: dict[str, dict] = {}
+FIRST_UNSEEN_SCORE: dict[str, dict] = {
+    "heldout": {"round": 17, "texts": 42, "category_right": 37, "category_accuracy": 0.881,
+                "top1_accuracy": 0.881, "healthy_called_fault": 0, "scored_at": "095c338"},
+}
 """A held-out part's score from the run before any rule was written with its misses in view: the
 honest generalisation figure. Once its misses are studied the live figures below stop measuring it."""
 EARLIER_ROUNDS = (
