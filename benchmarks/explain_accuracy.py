@@ -81,9 +81,10 @@ EARLIER_ROUNDS = (
 )
 """First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
 corpus measured it), kept for the record."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
 """Whether a part's misses have been looked at while writing rules. The round-17 held-out set's have
-not: its live figure is its first score."""
+been (a plugin build that never finished, CUTLASS, XLA's coordination agent, NCCL's error trace, a key
+word split by a terminal's wrap): its first score is its figure."""
 
 
 def _label(path: Path) -> dict:

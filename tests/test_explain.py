@@ -1217,6 +1217,44 @@ def test_fairseqs_scaler_settling_low_is_not_a_collapse_until_it_falls_below_one
     assert _categories(below) == [("loss_scale_collapse", "high")]
 
 
+@pytest.mark.parametrize("text, category", [
+    ('Setting up PyTorch plugin "bias_act_plugin"... ', "compile_lock"),
+    ("Training:   0%|          | 0/100000 [00:00<?, ?step/s]Got cutlass error: Error Internal at: 363", "cuda_error"),
+    ("E external/xla/xla/pjrt/distributed/client.cc:96] Coordination service agent in error status: "
+     "DEADLINE_EXCEEDED: Deadline Exceeded", "heartbeat_timeout"),
+    ("host:4707:5232 [2] NCCL INFO transport/shm.cc:101 -> 2\nhost:4707:5232 [2] NCCL INFO init.cc:878 -> 2",
+     "nccl_error"),
+])
+def test_round_17_classes(text: str, category: str) -> None:
+    """Classes round 17's held-out texts showed: NVlabs' custom op build that never said "Done."
+    (its lock), CUTLASS's error, XLA's coordination agent giving up, and NCCL's trace of an error
+    code climbing out of init when its WARN line was cut away."""
+    assert [c for c, _ in _categories(text)][:1] == [category]
+
+
+def test_a_plugin_build_that_finished_is_no_lock() -> None:
+    assert _categories('Setting up PyTorch plugin "bias_act_plugin"... Done.') == []
+
+
+def test_ncclss_error_trace_is_a_hint_beside_the_warning_that_names_the_error() -> None:
+    trace = "host:1:2 [0] NCCL INFO init.cc:878 -> 2"
+    found = explain_inputs([("t.log", trace.encode())])["findings"]
+    assert [(f["category"], f["nccl_code"]) for f in found] == [("nccl_error", "ncclSystemError")]
+    warned = "host:1:2 [0] misc/socket.cc:484 NCCL WARN socketStartConnect: Connect to 10.0.0.2<43411> failed : " \
+             "Connection refused\n" + trace
+    assert [c for c, _ in _categories(warned)] == ["nccl_error"]
+
+
+def test_a_key_word_split_by_the_terminals_wrap_is_read() -> None:
+    """A line as wide as a terminal, cut inside the word every reader looks for."""
+    text = ("2023-04-06 07:42:51.278258: E external/org_tensorflow/tensorflow/compiler/xla/pjrt/"
+            "pjrt_stream_executor_client.cc:2153] Execution of replica 0 failed: RE\n"
+            "SOURCE_EXHAUSTED: Failed to allocate request for 625.00MiB (655360000B) on device ordinal 7")
+    assert [c for c, _ in _categories(text)] == ["oom"]
+    # A short line is not a wrapped one.
+    assert _categories("failed: RE\nSOURCE_EXHAUSTED: Failed to allocate request for 625.00MiB") != [("oom", "medium")]
+
+
 def test_deepspeeds_hysteresis_holding_a_large_scale_is_no_floor() -> None:
     """DeepSpeed's newer wording is read, and "reducing to" the same large scale is its
     hysteresis at work (calibration from 2^32), not a scaler at its floor."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 from trainwatch.diagnostics.line_rule import LineRule, nothing as _nothing, words as _words
+from trainwatch.diagnostics.nccl_facts import NCCL_RETURN_CODES
 
 FRAMEWORK_RULES: tuple[LineRule, ...] = (
     # -- collectives that timed out or disagree ------------------------------------
@@ -41,6 +42,19 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
         r"Task\s*\S{1,200}\s*heartbeat\s*timeout|Failed\s*to\s*connect\s*to\s*distributed\s*JAX\s*controller"
         r"|Failed\s*to\s*send\s*RPC\s*to\s*coordination\s*service|JAX\s*distributed\s*service\s*detected\s*fatal\s*errors"),
         _nothing),
+    # ... and its agent giving up on the service, or a task failing to register with it.
+    LineRule("xla-coordination-agent", "coordination", "heartbeat_timeout", re.compile(
+        r"Coordination\s*service\s*agent\s*in\s*error\s*status|CoordinationService/(?:RegisterTask|Heartbeat)\b"
+        r".{0,80}?(?:DEADLINE_EXCEEDED|Deadline\s*Exceeded|UNAVAILABLE)?"), _nothing),
+    # NCCL's trace of an error code climbing out of its init or a group call (NCCL_DEBUG=INFO):
+    # "init.cc:878 -> 2" is ncclSystemError surfacing, even where its WARN line was cut away (a
+    # hint: dropped where the text names the failure).
+    LineRule("nccl-error-trace", ".cc:", "nccl_error", re.compile(
+        r"NCCL\s*INFO\s*(?:init|group)\.cc:\d{1,5}\s*->\s*(?P<code>[1-6])(?!\d)"),
+        lambda m: {"nccl_code": NCCL_RETURN_CODES[int(m.group("code"))]}, role="hint"),
+    # A custom op build of NVlabs' dnnlib that never printed "Done.": it waits on the build's lock.
+    LineRule("dnnlib-plugin-stuck", "pytorch plugin", "compile_lock", re.compile(
+        r"Setting\s*up\s*PyTorch\s*plugin\s*\"[\w.]{1,80}\"\.\.\.\s*$"), _nothing),
     LineRule("horovod-start-timeout", "tasks to start", "heartbeat_timeout", re.compile(
         _words("Timed out waiting for tasks to start")), _nothing),
     LineRule("orte-lost-daemon", "lost communication", "heartbeat_timeout", re.compile(
@@ -65,7 +79,7 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
     # The runtime's words from libraries that wrap it (TransformerEngine, NVML, flash-attention,
     # bitsandbytes), and DCGM's NVLink health.
     LineRule("wrapped-cuda-library-error", "error", "cuda_error", re.compile(
-        r"\b(?:cuBLAS(?:Lt)?|cuDNN|NVRTC|CUDA\s*Driver)\s*Error\s*:|Failed\s*to\s*initialize\s*NVML:\s*Driver/library"
+        r"\b(?:cuBLAS(?:Lt)?|cuDNN|NVRTC|CUDA\s*Driver)\s*Error\s*:|\b(?i:cutlass\s*error)\s*:|Failed\s*to\s*initialize\s*NVML:\s*Driver/library"
         r"|CUDA\s*SETUP\s*ERROR"), _nothing),
     LineRule("gpu-arch-unsupported", "supports", "cuda_error", re.compile(
         r"only\s*supports\s*(?:Ampere|Turing|Hopper|Volta)\s*GPUs\s*or\s*newer"), _nothing),
@@ -130,6 +144,6 @@ ANCHOR_WORDS = (
     "api mismatch", "cudnn", "cuda backend", "cuda-enabled", "memory", "oom_kill", "oom-kill", "exited with exit code",
     "mpi_abort", "time limit", "not enough slots", "dataloader", "reader thread", "deadline_exceeded", "error",
     "ncclsuccess", "not ready endpoints", "wait timeout", "supports", "nvlink", "mismatched", "not alive",
-    "executable batch size", "timeout is", "setup error",
+    "executable batch size", "timeout is", "setup error", "cutlass", ".cc:", "pytorch plugin",
 )
 """Words one of whose lower-cased forms every FRAMEWORK_RULES message holds (log_rules' pre-filter)."""

@@ -84,6 +84,16 @@ def line_pg(line: str) -> str | None:
     return m.group("guid") or m.group("id")
 
 
+def _wrapped_message(line: str, lines: list[str], i: int) -> bool:
+    """A line as wide as a terminal whose end, joined to the next line's start, may hold a
+    message: the wrap split its key word ("failed: RE" / "SOURCE_EXHAUSTED: ...")."""
+    return len(line) >= _TERMINAL_WIDTH and i + 1 < len(lines) and may_hold_message(line[-40:] + lines[i + 1][:80].lstrip())
+
+
+_TERMINAL_WIDTH = 79
+"""The narrowest line a terminal or log viewer wraps at."""
+
+
 def _search(rule: LineRule, line: str, joined: str) -> tuple[re.Match[str], str] | None:
     """Match a rule on a line, or on `joined`: the line with the next two appended.
 
@@ -105,7 +115,7 @@ def _line_findings(lines: list[str]) -> list[dict]:
     """Findings (with internal `_role`) from every rule on every line."""
     found: list[dict] = []
     for i, line in enumerate(lines):
-        if not line or not may_hold_message(line):
+        if not line or not (may_hold_message(line) or _wrapped_message(line, lines, i)):
             continue
         joined = line.rstrip() + "".join(following.strip() for following in lines[i + 1:i + 3])
         lower = joined.lower()
