@@ -57,6 +57,15 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
         r"Setting\s*up\s*PyTorch\s*plugin\s*\"[\w.]{1,80}\"\.\.\.\s*$"), _nothing),
     LineRule("horovod-start-timeout", "tasks to start", "heartbeat_timeout", re.compile(
         _words("Timed out waiting for tasks to start")), _nothing),
+    LineRule("horovod-slots-timeout", "slots", "heartbeat_timeout", re.compile(
+        _words("Timed out waiting for minimum number of slots to become available")), _nothing),
+    # torchelastic's etcd rendezvous before torch 1.9 ("timed out waiting for all 8 members to join").
+    LineRule("etcd-members-join", "members to join", "heartbeat_timeout", re.compile(
+        r"timed\s*out\s*waiting\s*for\s*all\s*\d{1,9}\s*members\s*to\s*join"), _nothing),
+    # Gloo's TCP transport refused by its peer: the process at that address is gone or not listening.
+    LineRule("gloo-connect-refused", "connection refused", "nccl_error", re.compile(
+        r"gloo/transport/tcp/pair\.cc:\d{1,5}\]\s*connect\s*\[?[\w.:%-]{1,80}\]?:\d{1,5}:\s*Connection\s*refused"),
+        _nothing),
     LineRule("orte-lost-daemon", "lost communication", "heartbeat_timeout", re.compile(
         _words("has lost communication with a remote daemon")), _nothing),
     # Paddle's launcher polling peers' endpoints (one line is start-up; many, a peer that never
@@ -144,6 +153,7 @@ ANCHOR_WORDS = (
     "api mismatch", "cudnn", "cuda backend", "cuda-enabled", "memory", "oom_kill", "oom-kill", "exited with exit code",
     "mpi_abort", "time limit", "not enough slots", "dataloader", "reader thread", "deadline_exceeded", "error",
     "ncclsuccess", "not ready endpoints", "wait timeout", "supports", "nvlink", "mismatched", "not alive",
-    "executable batch size", "timeout is", "setup error", "cutlass", ".cc:", "pytorch plugin",
+    "executable batch size", "timeout is", "setup error", "cutlass", ".cc:", "pytorch plugin", "slots",
+    "members to join", "connection refused",
 )
 """Words one of whose lower-cased forms every FRAMEWORK_RULES message holds (log_rules' pre-filter)."""

@@ -22,6 +22,7 @@ from trainwatch.diagnostics.process_facts import (cuda_message, device_assert, o
                                                   signal_name, to_bytes)
 from trainwatch.diagnostics.framework_rules import ANCHOR_WORDS as _FRAMEWORK_WORDS, FRAMEWORK_RULES
 from trainwatch.diagnostics.process_rules import PROCESS_RULES
+from trainwatch.diagnostics.torch_rules import ANCHOR_WORDS as _TORCH_WORDS, TORCH_RULES
 from trainwatch.diagnostics.nccl_facts import (nccl_code, nccl_line, nccl_mismatch_rank, nccl_peer_lost, nccl_retcode,
                                                 nccl_size_mismatch)
 
@@ -430,7 +431,7 @@ RULES: tuple[LineRule, ...] = (
     # PaddlePaddle: "Out of memory error on GPU 0. Cannot allocate 400.000244MB memory on GPU 0, ...".
     LineRule("paddle-oom", "out of memory error", "oom", re.compile(
         r"Out\s*of\s*memory\s*error\s*on\s*(?:GPU|XPU|NPU)\s*\d{1,4}\b"), _nothing),
-) + FRAMEWORK_RULES + PROCESS_RULES
+) + TORCH_RULES + FRAMEWORK_RULES + PROCESS_RULES
 
 # Cheap pre-filter: a line containing none of these (lower-cased) words
 # cannot start a message in RULES, so the rule loop and the wrap-joining skip
@@ -446,7 +447,7 @@ _ANCHOR_WORDS = (
     "monitoredbarrier", "/dev/shm", "the server socket", "abort", "kernel image", "cudasuccess", "hccl",
     "already in use", "duplicate gpu", "find an engine", "killing subprocess", "warp", "nvidia driver", "gpus",
     "deferredcudacallerror", "deadline_exceeded", "cudnn", "remote peer", "worker group failed", "actor died",
-    "worker died", "ran out of memory", "child process", "stop_waiting", "nan or inf", "got 0 bytes", "non-zero exit code", *_FRAMEWORK_WORDS, "distnetworkerror", "raisedexception",
+    "worker died", "ran out of memory", "child process", "stop_waiting", "nan or inf", "got 0 bytes", "non-zero exit code", *_FRAMEWORK_WORDS, *_TORCH_WORDS, "distnetworkerror", "raisedexception",
     "non-zero exit status", "horovod has been shut down", "mmap", "store based barrier", "lock file", "accept failed",
 )
 

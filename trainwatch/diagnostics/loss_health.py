@@ -73,14 +73,17 @@ _ABORT_NAN = re.compile(
     r"|Function\s*'\w{1,80}'\s*returned\s*nan\s*values\s*in\s*its\s*\d+(?:st|nd|rd|th)\s*output"
     # Megatron(-FSDP)'s and NeMo's gradient checks: "Detected NaN or Inf in wgrad", "detected inf
     # or nan values in gradients! Setting gradients to zero."
-    r"|detected\s*(?:NaN\s*or\s*Inf|inf\s*or\s*nan)\s*(?:values\s*)?in\s*(?:the\s*)?(?:w?grad\w*|gradients?)")
+    r"|detected\s*(?:NaN\s*or\s*Inf|inf\s*or\s*nan)\s*(?:values\s*)?in\s*(?:the\s*)?(?:w?grad\w*|gradients?)"
+    # Lightning's finite checks, fairseq's gradient check.
+    r"|Detected\s*nan\s*and/or\s*inf\s*values\s*in|gradients\s*are\s*Nan/Inf")
 # DeepSpeed: "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32"
 _DS_OVERFLOW = re.compile(
     r"(?i:OVERFLOW!|fp16\s*dynamic\s*loss\s*scale\s*overflow!)\s*Rank\s*(?P<rank>\d{1,9})\s*Skipping\s*step\.\s*Attempted\s*loss\s*scale:\s*"
     r"(?P<before>[\d.eE+]+)\s*,\s*reducing\s*to\s*(?P<after>[\d.eE+]+)")
 # apex amp: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 512.0";
 # fairseq: "| WARNING: overflow detected, setting loss scale to: 0.25"
-_APEX_OVERFLOW = re.compile(r"(?i)(?:reducing|overflow\s*detected,\s*setting)\s*loss\s*scale\s*to:?\s*"
+_APEX_OVERFLOW = re.compile(r"(?i)(?:reducing|downscale|overflow\s*detected,\s*(?:ignoring\s*gradient,\s*)?setting)"
+                            r"\s*loss\s*scale\s*to:?\s*"
                             r"(?P<after>\d[\d.eE+-]*)")
 # The scale as a logged value, step after step: "loss_scale : 3.7e-09", "| loss_scale 0.500 |",
 # "'loss_scale': 1024.0": a series that falls and falls is the same collapse.
@@ -202,7 +205,7 @@ def _scale_findings(reductions: list[tuple[float, float | None, str, int | None]
     # fairseq's scaler ("setting loss scale to") has its floor at 1e-4 and some of its models
     # settle at 2^2 to 2^6 (wav2vec): only a scale below 1 has collapsed there.
     settles_low = bool(run) and all(_FAIRSEQ_CUT.search(r[2]) for r in run)
-    collapsed = bool(minimum) or (final is not None and (final < 1.0 or (len(run) >= MIN_FALLS and not settles_low
+    collapsed = bool(minimum) or (final is not None and (final <= 1.0 or (len(run) >= MIN_FALLS and not settles_low
                                                                            and final <= COLLAPSE_SCALE)))
     if not collapsed:
         return []
@@ -211,7 +214,7 @@ def _scale_findings(reductions: list[tuple[float, float | None, str, int | None]
     ranks = sorted({r[3] for r in run if r[3] is not None})
     finding.update(rank=ranks[0] if len(ranks) == 1 else None, ranks=ranks or None,
                    loss_scale=final, reductions=len(run), at_minimum=bool(minimum))
-    if minimum or (final is not None and final < 1.0):
+    if minimum or (final is not None and final <= 1.0):
         finding["severity"] = "high"
     return [finding]
 

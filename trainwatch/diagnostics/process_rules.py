@@ -53,7 +53,15 @@ PROCESS_RULES: tuple[LineRule, ...] = (
         _words("Horovod has been shut down. This was caused by an exception on one of the ranks")), _nothing),
     # torchelastic's agent after a worker failed, before it restarts the group.
     LineRule("elastic-group-failed", "worker group failed", "child_failed", re.compile(
-        r"Worker\s*group\s*FAILED\.\s*(?P<left>\d{1,9})/(?P<max>\d{1,9})\s*attempts\s*left"), _nothing),
+        r"Worker\s*group\s*FAILED\.\s*(?P<left>\d{1,9})/(?P<max>\d{1,9})\s*attempts\s*left"
+        r"|\[\w{1,40}\]\s*Worker\s*group\s*failed\s*$"), _nothing),
+    # Horovod's gloo launcher; Lightning's deadlock detector killing the ranks after one failed.
+    LineRule("horovod-process-exit", "exit with status code", "child_failed", re.compile(
+        r"Process\s*(?P<rank>\d{1,9})\s*exit\s*with\s*status\s*code\s*(?P<exit>-?\d{1,4})"),
+        lambda m: {"rank": int(m.group("rank")), "exit_code": int(m.group("exit"))}),
+    LineRule("lightning-deadlock", "deadlock detected", "child_failed", re.compile(
+        r"DeadlockDetectedException:\s*DeadLock\s*detected\s*from\s*rank:\s*(?P<rank>\d{1,9})"),
+        lambda m: {"rank": int(m.group("rank"))}),
     # Ray: an actor or task worker process that died.
     LineRule("ray-worker-died", "died", "child_failed", re.compile(
         r"ActorDiedError|The\s*actor\s*died\s*unexpectedly\s*before\s*finishing\s*this\s*task"
@@ -84,6 +92,8 @@ PROCESS_RULES: tuple[LineRule, ...] = (
         r"(?:\s*with\s*exit\s*code\s*(?P<exit>-?\d+))?)"), dataloader_facts),
     LineRule("dataloader-bus-error", "bus", "dataloader_worker_killed", re.compile(
         r"(?i)Unexpected\s*bus\s*error\s*encountered\s*in\s*(?:DataLoader\s*)?worker"), bus_error),
+    LineRule("pin-memory-exited", "pin memory thread", "dataloader_worker_killed", re.compile(
+        _words("Pin memory thread exited unexpectedly")), _nothing),
     LineRule("dataloader-fds", "no longer possible", "dataloader_worker_killed", re.compile(
         _words("Communication with the workers is no longer possible")), _nothing),
     LineRule("dataloader-worker-segv", "encountered in worker", "dataloader_worker_killed", re.compile(
