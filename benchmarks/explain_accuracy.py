@@ -39,11 +39,8 @@ from trainwatch.diagnostics.xid import severity_rank
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explain"
 FIELDS = ("op", "rank", "xid", "severity")
 PARTS = ("dev", "retired", "heldout")
-PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 16, seen)", "heldout": "heldout (round 17)"}
-FIRST_UNSEEN_SCORE: dict[str, dict] = {
-    "heldout": {"round": 17, "texts": 42, "category_right": 37, "category_accuracy": 0.881,
-                "top1_accuracy": 0.881, "healthy_called_fault": 0, "scored_at": "095c338"},
-}
+PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 17, seen)", "heldout": "heldout (round 18)"}
+FIRST_UNSEEN_SCORE: dict[str, dict] = {}
 """A held-out part's score from the run before any rule was written with its misses in view: the
 honest generalisation figure. Once its misses are studied the live figures below stop measuring it."""
 EARLIER_ROUNDS = (
@@ -78,13 +75,14 @@ EARLIER_ROUNDS = (
      "top1_accuracy": 0.8571, "healthy_called_fault": 0, "scored_at": "e93cfb4"},
     {"round": 16, "texts": 42, "category_right": 32, "category_accuracy": 0.7619,
      "top1_accuracy": 0.7381, "healthy_called_fault": 1, "scored_at": "dbc8a76"},
+    {"round": 17, "texts": 42, "category_right": 37, "category_accuracy": 0.881,
+     "top1_accuracy": 0.881, "healthy_called_fault": 0, "scored_at": "095c338"},
 )
 """First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
 corpus measured it), kept for the record."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
-"""Whether a part's misses have been looked at while writing rules. The round-17 held-out set's have
-been (a plugin build that never finished, CUTLASS, XLA's coordination agent, NCCL's error trace, a key
-word split by a terminal's wrap): its first score is its figure."""
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
+"""Whether a part's misses have been looked at while writing rules. The round-18 held-out set's have
+not: its live figure is its first score."""
 
 
 def _label(path: Path) -> dict:
