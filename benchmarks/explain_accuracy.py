@@ -40,7 +40,10 @@ CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "explai
 FIELDS = ("op", "rank", "xid", "severity")
 PARTS = ("dev", "retired", "heldout")
 PART_TITLES = {"dev": "dev", "retired": "retired (held-out rounds 1 to 17, seen)", "heldout": "heldout (round 18)"}
-FIRST_UNSEEN_SCORE: dict[str, dict] = {}
+FIRST_UNSEEN_SCORE: dict[str, dict] = {
+    "heldout": {"round": 18, "texts": 31, "category_right": 30, "category_accuracy": 0.9677,
+                "top1_accuracy": 0.9677, "healthy_called_fault": 0, "scored_at": "c15f7b4"},
+}
 """A held-out part's score from the run before any rule was written with its misses in view: the
 honest generalisation figure. Once its misses are studied the live figures below stop measuring it."""
 EARLIER_ROUNDS = (
