@@ -83,9 +83,10 @@ EARLIER_ROUNDS = (
 )
 """First unseen scores of the held-out sets now retired (round 1 as the issue that asked for the
 corpus measured it), kept for the record."""
-MISSES_STUDIED = {"dev": True, "retired": True, "heldout": False}
-"""Whether a part's misses have been looked at while writing rules. The round-18 held-out set's have
-not: its live figure is its first score."""
+MISSES_STUDIED = {"dev": True, "retired": True, "heldout": True}
+"""Whether a part's misses have been looked at while writing rules. The round-18 held-out set's one
+miss has been (a single watchdog time-out whose desync only the fix shows; left alone): its first
+score is its figure."""
 
 
 def _label(path: Path) -> dict:
