@@ -107,7 +107,9 @@ def explain_inputs(inputs: list[tuple[str, bytes]]) -> dict:
             stacks = [f for f in stacks if f.get("category") != "other"]
         # Hardware findings go first (an Xid often explains everything after
         # it), then the log's errors, then stacks.
-        batch = hardware + parsed.findings + stacks
+        # An Xid's kernel log already accounts for the tasks it blocked or the process it killed.
+        errors_read = [f for f in parsed.findings if not (hardware and f.get("kernel_event"))]
+        batch = hardware + errors_read + stacks
         if all(f.get("category") == "other" for f in batch):
             # Nothing known explains it (or only as `other`): a hang the text describes in words,
             # else the area whose words it speaks (low), then the exception it ended on, if any.

@@ -10,6 +10,11 @@ import re
 from trainwatch.diagnostics.line_rule import LineRule, nothing as _nothing, words as _words
 from trainwatch.diagnostics.nccl_facts import NCCL_RETURN_CODES
 
+def _KERNEL(m: re.Match[str]) -> dict:  # noqa: N802 - a rule-table reader, named like the others
+    """A kernel-log event about a process; an Xid read from the same log already accounts for it."""
+    return {"kernel_event": True}
+
+
 FRAMEWORK_RULES: tuple[LineRule, ...] = (
     # -- collectives that timed out or disagree ------------------------------------
     # TensorFlow's collective ops; XLA's in-process rendezvous of GPU threads; Horovod's stall
@@ -29,7 +34,8 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
     # Ranks that called a collective with different shapes or ops (Horovod, Gloo), NCCL's socket
     # transport receiving more than it was sent, fairseq's check of the workers' gradients.
     LineRule("mismatched-collective", "mismatched", "collective_mismatch", re.compile(
-        r"Mismatched\s*(?:\w{1,20}\s*tensor\s*shapes|operations|\w{1,20}\s*data\s*types?)\s*:\s*One\s*rank"), _nothing),
+        r"Mismatched\s*(?:\w{1,20}\s*tensor\s*shapes|operations|\w{1,20}\s*data\s*types?|\w{1,20}\s*CPU/GPU\s*device"
+        r"\s*selection)\s*:\s*One\s*rank"), _nothing),
     LineRule("nccl-message-truncated", "truncated", "collective_mismatch", re.compile(
         r"NCCL\s*WARN.{0,80}?message\s*truncated\s*:\s*receiving\s*\d{1,18}\s*bytes\s*instead\s*of\s*\d{1,18}"), _nothing),
     LineRule("fairseq-inconsistent-grads", "inconsistent", "collective_mismatch", re.compile(
@@ -68,13 +74,20 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
         _nothing),
     LineRule("orte-lost-daemon", "lost communication", "heartbeat_timeout", re.compile(
         _words("has lost communication with a remote daemon")), _nothing),
+    LineRule("orte-path-lost", "lost to", "heartbeat_timeout", re.compile(
+        _words("A critical communication path was lost to")), _nothing),
+    LineRule("orte-daemons-not-started", "reliably start", "heartbeat_timeout", re.compile(
+        _words("ORTE was unable to reliably start one or more daemons")), _nothing),
+    # Horovod's launcher: hosts it cannot reach, its gloo store waiting for a rank's key.
+    LineRule("horovod-ssh", "via ssh", "heartbeat_timeout", re.compile(_words("could not connect to some hosts via ssh")),
+             _nothing),
     # Paddle's launcher polling peers' endpoints (one line is start-up; many, a peer that never
     # came: worth a look, so low), and Caffe2's store handlers timing out a key.
     LineRule("paddle-endpoints-not-ready", "not ready endpoints", "heartbeat_timeout", re.compile(
         r"not\s*ready\s*endpoints\s*:\s*\[?\s*'?(?P<peer>[\w.:-]{1,80})"),
         lambda m: {"peer": m.group("peer"), "severity": "low"}),
     LineRule("caffe2-store-wait-timeout", "wait timeout", "heartbeat_timeout", re.compile(
-        _words("Wait timeout for name(s):")), _nothing),
+        r"Wait\s*timeout\s*(?:after\s*\d{1,9}\s*seconds\s*)?for\s*(?:name|key)\(s\)\s*:"), _nothing),
     # -- NCCL through other frameworks: ncclRemoteError's words wherever they are quoted --
     LineRule("nccl-remote-error-text", "remote process exited", "nccl_error", re.compile(
         _words("remote process exited or there was a network error")), _nothing),
@@ -109,6 +122,25 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
         r"worker\s*Actor\([^)]{0,120}\)\s*is\s*not\s*alive"), _nothing),
     LineRule("accelerate-batch-size-zero", "executable batch size", "oom", re.compile(
         _words("No executable batch size found, reached zero")), _nothing),
+    # MPI's and UCX's transports losing a peer (the MPI analogue of an NCCL network error).
+    LineRule("mpi-transport", "mpi", "nccl_error", re.compile(
+        r"An\s*MPI\s*communication\s*peer\s*process\s*has\s*unexpectedly\s*disconnected"
+        r"|Open\s*MPI\s*failed\s*(?:to\s*TCP\s*connect\s*to\s*a\s*peer\s*MPI\s*process|an\s*OFI\s*Libfabric\s*library\s*call)"
+        r"|\*\*\*\s*An\s*error\s*occurred\s*in\s*MPI_\w{2,40}"), _nothing),
+    LineRule("ucx-transport", "ucx", "nccl_error", re.compile(
+        r"UCX\s*ERROR\s*(?:Transport\s*retry\s*count\s*exceeded|connect\(.{0,120}?\)\s*failed)"), _nothing),
+    # Custom CUDA ops (detectron2's, mmcv's deformable convolution) printing the CUDA error they got.
+    LineRule("custom-op-cuda-error", "deformable_", "cuda_error", re.compile(
+        r"error\s*in\s*(?:modulated_)?deformable_\w{1,40}\s*:\s*(?P<msg>\w[\w ]{2,80})"), _nothing),
+    # A build of a C++/CUDA extension that failed (ninja, NVlabs' plugins, ColossalAI's loader).
+    LineRule("extension-build-failed", "build", "other", re.compile(
+        r"ninja:\s*build\s*stopped:\s*subcommand\s*failed|Failed\s*to\s*build\s*PyTorch\s*extension"
+        r"|Error\s*building\s*extension\s*'[\w.]{1,80}'"), _nothing),
+    LineRule("plugin-build-failed", "pytorch plugin", "other", re.compile(
+        r"Setting\s*up\s*PyTorch\s*plugin\s*\"[\w.]{1,80}\"\.\.\.\s*Failed!"), _nothing),
+    # filelock's debug log of a lock held by another process (triton's and DeepSpeed's caches).
+    LineRule("filelock-waiting", "not acquired", "compile_lock", re.compile(
+        r"Lock\s*\d{1,20}\s*not\s*acquired\s*on\s*\S{1,300}\.lock,\s*waiting"), _nothing),
     # -- memory and processes under a scheduler -----------------------------------------
     # TensorFlow's and XLA's BFC allocator, unless it says the caller survives it.
     LineRule("bfc-oom", "ran out of memory", "oom", re.compile(
@@ -125,6 +157,26 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
         r"srun:\s*error:\s*\S+:\s*tasks?\s*(?P<task>[\d,\-]+):\s*Exited\s*with\s*exit\s*code\s*(?P<exit>\d{1,4})"),
         # The task is a rank only where srun starts one task per rank (not under a per-node launcher).
         lambda m: {"exit_code": int(m.group("exit")), "task": m.group("task")}),
+    LineRule("mpi-errors-fatal", "mpi_errors_are_fatal", "child_failed", re.compile(r"\*\*\*\s*MPI_ERRORS_ARE_FATAL"),
+             _nothing),
+    LineRule("orte-memory-limit", "memory limits", "oom", re.compile(_words("A process exceeded memory limits")), _nothing),
+    # Horovod's gloo launcher after one worker failed; ColossalAI's launcher failing on a host.
+    LineRule("horovod-terminating", "terminating remaining", "child_failed", re.compile(
+        r"Terminating\s*remaining\s*workers\s*after\s*failure\s*of\s*Process\s*(?P<rank>\d{1,9})"),
+        lambda m: {"rank": int(m.group("rank"))}),
+    LineRule("colossalai-run-failed", "failed to run", "child_failed", re.compile(
+        r"Error:\s*failed\s*to\s*run\s*torchrun\b.{0,600}?\bon\s*[\w.-]{1,80},\s*is\s*localhost"), _nothing),
+    # The kernel's account of a process: a segfault, a general protection fault, a task stuck
+    # in the kernel (I/O, a driver call) for minutes, a CPU locked up. Hints: beside an Xid or
+    # an error that names the failure, they are its consequences.
+    LineRule("kernel-segfault", "segfault", "other", re.compile(
+        r"\bsegfault\s*at\s*[0-9a-f]{1,16}\s*ip\s*[0-9a-f]{1,16}"), _KERNEL, role="hint"),
+    LineRule("kernel-general-protection", "general protection", "other", re.compile(
+        r"traps:\s*\S{1,80}\s*general\s*protection"), _KERNEL, role="hint"),
+    LineRule("kernel-hung-task", "blocked for more than", "other", re.compile(
+        r"INFO:\s*task\s*\S{1,80}\s*blocked\s*for\s*more\s*than\s*\d{1,6}\s*seconds"), _KERNEL, role="hint"),
+    LineRule("kernel-soft-lockup", "soft lockup", "other", re.compile(r"soft\s*lockup\s*-\s*CPU#\d"), _KERNEL,
+             role="hint"),
     LineRule("mpi-abort", "mpi_abort", "child_failed", re.compile(
         r"MPI_ABORT\s*was\s*invoked\s*on\s*rank\s*(?P<rank>\d{1,9})"), lambda m: {"rank": int(m.group("rank"))}),
     LineRule("slurm-time-limit", "time limit", "other", re.compile(
@@ -154,6 +206,9 @@ ANCHOR_WORDS = (
     "mpi_abort", "time limit", "not enough slots", "dataloader", "reader thread", "deadline_exceeded", "error",
     "ncclsuccess", "not ready endpoints", "wait timeout", "supports", "nvlink", "mismatched", "not alive",
     "executable batch size", "timeout is", "setup error", "cutlass", ".cc:", "pytorch plugin", "slots",
-    "members to join", "connection refused",
+    "members to join", "connection refused", "lost to", "reliably start", "via ssh", "mpi communication", "open mpi failed",
+    "error occurred in mpi_", "ucx", "deformable_", "build stopped", "failed to build", "error building extension",
+    "not acquired", "mpi_errors_are_fatal", "memory limits", "terminating remaining", "failed to run", "segfault",
+    "general protection", "blocked for more than", "soft lockup",
 )
 """Words one of whose lower-cased forms every FRAMEWORK_RULES message holds (log_rules' pre-filter)."""

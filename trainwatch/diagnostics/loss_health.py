@@ -67,7 +67,7 @@ _ABORT_NAN = re.compile(
     r"|Non-finite\s*norm\s*encountered\s*in\s*torch\.nn\.utils\.clip_grad_norm_?"
     r"|for\s*gradients\s*from\s*`?parameters`?\s*is\s*non-finite"
     # detectron2's trainer, and autograd's anomaly mode naming the op whose gradient went NaN.
-    r"|Loss\s*became\s*infinite\s*or\s*NaN|\bNaN\s*loss\s*(?:detected|encountered|found)"
+    r"|Loss\s*became\s*infinite\s*or\s*NaN|Predicted\s*boxes\s*or\s*scores\s*contain\s*Inf/NaN|\bNaN\s*loss\s*(?:detected|encountered|found)"
     # JAX's jax_debug_nans: "FloatingPointError: invalid value (nan) encountered in mul"
     r"|invalid\s*value\s*\(nan\)\s*encountered\s*in"
     r"|Function\s*'\w{1,80}'\s*returned\s*nan\s*values\s*in\s*its\s*\d+(?:st|nd|rd|th)\s*output"
