@@ -1,5 +1,6 @@
 """Log rules for the frameworks, schedulers and runtimes around PyTorch: JAX/XLA and its
-coordination service, TensorFlow, Horovod, Ray, PaddlePaddle, MXNet, Slurm, Open MPI and
+coordination service, orbax, TensorFlow, Horovod, Ray and verl, PaddlePaddle, MXNet, Caffe2,
+Ascend (HCCL, CANN), Slurm, Open MPI and UCX, custom-op builds, the kernel's process faults and
 fairseq. Each is a message form as that software prints it, read into the same error
 categories as torch's own (findings.ERROR_CATEGORIES). Appended to log_rules.RULES."""
 
@@ -61,6 +62,52 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
     # A custom op build of NVlabs' dnnlib that never printed "Done.": it waits on the build's lock.
     LineRule("dnnlib-plugin-stuck", "pytorch plugin", "compile_lock", re.compile(
         r"Setting\s*up\s*PyTorch\s*plugin\s*\"[\w.]{1,80}\"\.\.\.\s*$"), _nothing),
+    LineRule("jax-tpu-init-slow", "tpu backend", "heartbeat_timeout", re.compile(
+        r"TPU\s*backend\s*initialization\s*is\s*taking\s*more\s*than\s*[\d.]{1,8}\s*seconds"), _nothing),
+    # Waits at the coordination service's or orbax's barriers: start-up lines (low) and failures.
+    LineRule("coordination-barrier-wait", "barrier", "barrier", re.compile(
+        r"#\s*of\s*tasks\s*that\s*reached\s*the\s*barrier:|Waiting\s*at\s*barrier:\s*\w"), lambda m: {"severity": "low"}),
+    LineRule("coordination-tasks-wait", "tasks to connect", "barrier", re.compile(
+        r"Waiting\s*for\s*\d{1,6}/\d{1,6}\s*tasks\s*to\s*connect"), lambda m: {"severity": "low"}),
+    # The coordination service losing a task: heartbeats stopped, a restarted task or leader,
+    # a cluster that never registered, a key-value get that timed out.
+    LineRule("coordination-task-lost", "task", "heartbeat_timeout", re.compile(
+        r"tasks\s*are\s*unhealthy\s*\(stopped\s*sending\s*heartbeats\)|tried\s*to\s*connect\s*with\s*a\s*different\s*incarnation"
+        r"|Leader\s*incarnation\s*ID\s*mismatch|cluster\s*registration\s*failed|Task\s*with\s*incarnation\s*id\s*\d{1,24}\s*is\s*not"
+        r"\s*connected|GetKeyValue\(\)\s*timed\s*out\s*with\s*key|Polled\s*an\s*error\s*from\s*coordination\s*service"
+        r"|The\s*tasks\s*have\s*crashed\.\s*Check\s*the\s*task\s*logs"), _nothing),
+    LineRule("coordination-barrier-failed", "barrier", "barrier", re.compile(
+        r"Timed\s*out\s*while\s*waiting\s*for\s*\w{1,80}\s*barrier|Shutdown\s*barrier\s*in\s*coordination\s*service\s*has"
+        r"\s*failed|Barrier\s*\([\w:]{1,80}\)\s*is\s*invoked\s*by\s*the\s*task,\s*but\s*the\s*service"), _nothing),
+    LineRule("jax-no-gpu", "unable to initialize backend", "cuda_error", re.compile(
+        r"Unable\s*to\s*initialize\s*backend\s*'(?:cuda|rocm|gpu)':\s*\w"), _nothing),
+    LineRule("cuda-dso-mismatch", "dso version", "cuda_error", re.compile(
+        r"kernel\s*version\s*[\d.]{1,20}\s*does\s*not\s*match\s*DSO\s*version"), _nothing),
+    LineRule("xla-remat-oom", "rematerialization", "oom", re.compile(
+        r"Can't\s*reduce\s*memory\s*use\s*below\s*[\d.]{1,12}\s*\w{1,3}\s*\(\d{1,20}\s*bytes\)\s*by\s*rematerialization"), _nothing),
+    LineRule("tf-allocator-oom-advice", "tf_gpu_allocator", "oom", re.compile(
+        r"If\s*the\s*cause\s*is\s*memory\s*fragmentation\s*maybe\s*the\s*environment\s*variable\s*'TF_GPU_ALLOCATOR"), _nothing),
+    LineRule("jax-devices-failed", "processfailureerror", "child_failed", re.compile(
+        r"ProcessFailureError:\s*Devices\s*failed"), _nothing),
+    LineRule("file-lock-not-acquired", "could not be acquired", "compile_lock", re.compile(
+        r"The\s*file\s*lock\s*'[^']{1,300}'\s*could\s*not\s*be\s*acquired"), _nothing),
+    # -- Ascend (HCCL, CANN, MindSpore): the same failures in that stack's words ------------
+    LineRule("hccl-heartbeat-lost", "heartbeat lost", "heartbeat_timeout", re.compile(r"Heartbeat\s*Lost\s*Occurred"),
+             _nothing),
+    LineRule("hccl-socket-timeout", "ei0006", "heartbeat_timeout", re.compile(r"EI0006:\s*Getting\s*socket\s*times\s*out"),
+             _nothing),
+    LineRule("hccl-unique-id", "meta server", "heartbeat_timeout", re.compile(
+        r"Failed\s*to\s*fetch\s*the\s*unique\s*id\s*of\s*the\s*collective\s*lib\s*from\s*the\s*meta\s*server"), _nothing),
+    LineRule("store-dns-failed", "dns resolution", "heartbeat_timeout", re.compile(
+        r"DNS\s*resolution\s*failed:.{0,40}Name\s*or\s*service\s*not\s*known"), _nothing),
+    LineRule("hccl-init-failed", "hc", "nccl_error", re.compile(
+        r"EJ0001:\s*Failed\s*to\s*initialize\s*the\s*HCCP\s*process|hcom\s*init\s*failed|HcclCommInit\w{0,20}\(.{0,200}\)\s*failed"),
+        _nothing),
+    LineRule("ascend-device-error", "fail", "cuda_error", re.compile(
+        r"EE1001:.{0,80}Set\s*device\s*failed|EE9999\s*Task\s*execute\s*failed|Aicore\s*kernel\s*execute\s*failed"
+        r"|aclrt\w{2,40}\(.{0,200}\)\s*failed\s*:\s*\d|SetDevice\s*for\s*id:\d{1,3}\s*failed"), _nothing),
+    LineRule("ascend-driver-down", "hdc connect down", "cuda_error", re.compile(r"hdc\s*connect\s*down"), _nothing),
+    LineRule("ascend-oom", "malloc device memory failed", "oom", re.compile(_words("Malloc device memory failed")), _nothing),
     LineRule("horovod-start-timeout", "tasks to start", "heartbeat_timeout", re.compile(
         _words("Timed out waiting for tasks to start")), _nothing),
     LineRule("horovod-slots-timeout", "slots", "heartbeat_timeout", re.compile(
@@ -209,6 +256,10 @@ ANCHOR_WORDS = (
     "members to join", "connection refused", "lost to", "reliably start", "via ssh", "mpi communication", "open mpi failed",
     "error occurred in mpi_", "ucx", "deformable_", "build stopped", "failed to build", "error building extension",
     "not acquired", "mpi_errors_are_fatal", "memory limits", "terminating remaining", "failed to run", "segfault",
-    "general protection", "blocked for more than", "soft lockup",
+    "general protection", "blocked for more than", "soft lockup", "tpu backend", "barrier", "unable to initialize backend",
+    "rematerialization", "tf_gpu_allocator", "processfailureerror", "could not be acquired", "times out", "heartbeat lost",
+    "meta server", "dns resolution", "ei0006", "hccp", "hcom init", "hcclcomminit", "set device failed", "task execute failed",
+    "kernel execute failed", "hdc connect down", "tasks to connect", "unhealthy", "incarnation", "registration failed",
+    "getkeyvalue", "polled an error", "tasks have crashed", "dso version", "aclrt", "setdevice for id", "malloc device memory failed",
 )
 """Words one of whose lower-cased forms every FRAMEWORK_RULES message holds (log_rules' pre-filter)."""

@@ -310,7 +310,7 @@ RULES: tuple[LineRule, ...] = (
         _words("uncorrectable ECC error encountered") + r"|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable"),
         _nothing, family="cuda"),
     LineRule("cuda-illegal-address", "illegal", "illegal_memory_access", re.compile(
-        r"illegal\s*(?:cuda\s*)?memory\s*access\s*was\s*encountered|cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS"),
+        r"illegal\s*(?:cuda\s*)?memory\s*access\s*was\s*encountered|(?:cuda|hip)ErrorIllegalAddress|(?:CUDA|ROCM)_ERROR_ILLEGAL_ADDRESS"),
         _nothing, family="cuda"),
     LineRule("cuda-misaligned-address", "misaligned", "illegal_memory_access", re.compile(
         r"\b(?i:CUDA\s*error)\s*:\s*misaligned\s*address|" + _CUDA_CHECK + r"\s*misaligned\s*address"

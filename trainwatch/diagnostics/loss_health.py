@@ -75,7 +75,10 @@ _ABORT_NAN = re.compile(
     # or nan values in gradients! Setting gradients to zero."
     r"|detected\s*(?:NaN\s*or\s*Inf|inf\s*or\s*nan)\s*(?:values\s*)?in\s*(?:the\s*)?(?:w?grad\w*|gradients?)"
     # Lightning's finite checks, fairseq's gradient check.
-    r"|Detected\s*nan\s*and/or\s*inf\s*values\s*in|gradients\s*are\s*Nan/Inf")
+    r"|Detected\s*nan\s*and/or\s*inf\s*values\s*in|gradients\s*are\s*Nan/Inf"
+    # JAX's debug_nans and checkify, optax's line search that cannot step.
+    r"|Invalid\s*nan\s*value\s*encountered\s*in\s*the\s*output\s*of\s*a\s*jax|nan\s*generated\s*by\s*primitive"
+    r"|Cannot\s*even\s*make\s*a\s*step\s*without\s*getting\s*Inf\s*or\s*Nan")
 # DeepSpeed: "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32"
 _DS_OVERFLOW = re.compile(
     r"(?i:OVERFLOW!|fp16\s*dynamic\s*loss\s*scale\s*overflow!)\s*Rank\s*(?P<rank>\d{1,9})\s*Skipping\s*step\.\s*Attempted\s*loss\s*scale:\s*"
