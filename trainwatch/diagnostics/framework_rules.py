@@ -65,7 +65,7 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
     LineRule("jax-tpu-init-slow", "tpu backend", "heartbeat_timeout", re.compile(
         r"TPU\s*backend\s*initialization\s*is\s*taking\s*more\s*than\s*[\d.]{1,8}\s*seconds"), _nothing),
     # Waits at the coordination service's or orbax's barriers: start-up lines (low) and failures.
-    LineRule("coordination-barrier-wait", "barrier", "barrier", re.compile(
+    LineRule("coordination-barrier-wait", "barrier:", "barrier", re.compile(
         r"#\s*of\s*tasks\s*that\s*reached\s*the\s*barrier:|Waiting\s*at\s*barrier:\s*\w"), lambda m: {"severity": "low"}),
     LineRule("coordination-tasks-wait", "tasks to connect", "barrier", re.compile(
         r"Waiting\s*for\s*\d{1,6}/\d{1,6}\s*tasks\s*to\s*connect"), lambda m: {"severity": "low"}),
@@ -256,7 +256,8 @@ ANCHOR_WORDS = (
     "members to join", "connection refused", "lost to", "reliably start", "via ssh", "mpi communication", "open mpi failed",
     "error occurred in mpi_", "ucx", "deformable_", "build stopped", "failed to build", "error building extension",
     "not acquired", "mpi_errors_are_fatal", "memory limits", "terminating remaining", "failed to run", "segfault",
-    "general protection", "blocked for more than", "soft lockup", "tpu backend", "barrier", "unable to initialize backend",
+    "general protection", "blocked for more than", "soft lockup", "tpu backend", "barrier:", "barrier in coordination",
+    "barrier (", "waiting for async", "unable to initialize backend",
     "rematerialization", "tf_gpu_allocator", "processfailureerror", "could not be acquired", "times out", "heartbeat lost",
     "meta server", "dns resolution", "ei0006", "hccp", "hcom init", "hcclcomminit", "set device failed", "task execute failed",
     "kernel execute failed", "hdc connect down", "tasks to connect", "unhealthy", "incarnation", "registration failed",

@@ -433,10 +433,8 @@ RULES: tuple[LineRule, ...] = (
         r"Out\s*of\s*memory\s*error\s*on\s*(?:GPU|XPU|NPU)\s*\d{1,4}\b"), _nothing),
 ) + TORCH_RULES + FRAMEWORK_RULES + PROCESS_RULES
 
-# Cheap pre-filter: a line containing none of these (lower-cased) words
-# cannot start a message in RULES, so the rule loop and the wrap-joining skip
-# it. Plain substrings, because "NCCL INFO" chatter fills real logs and a
-# regex test per line would cost more than the parsing.
+# Cheap pre-filter: a line holding none of these (lower-cased) words cannot start a message in RULES, so
+# the rule loop skips it. Plain substrings: NCCL INFO chatter fills real logs, and a regex costs more.
 _ANCHOR_WORDS = (
     "watchdog", "heartbeat", "signal", "timeout", "timed out", "collective", "enqueued", "either an",
     "error", "ncclinvalid", "ecc", "memory", "dataloader", "exitcode", "gloo", "processgroupnccl'",
@@ -452,7 +450,11 @@ _ANCHOR_WORDS = (
 )
 
 
+_ANCHORS = tuple(sorted(w for w in set(_ANCHOR_WORDS) if not any(o != w and o in w for o in _ANCHOR_WORDS)))
+
+
 def may_hold_message(line: str) -> bool:
-    """True when a line may hold (the start of) a known message."""
+    """True when a line may hold (the start of) a known message (_ANCHORS: the words without those that
+    hold a shorter one, "error" standing for "hip error": the same lines, fewer tests)."""
     lower = line.lower()
-    return any(word in lower for word in _ANCHOR_WORDS)
+    return any(word in lower for word in _ANCHORS)
