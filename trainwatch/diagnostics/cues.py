@@ -13,6 +13,7 @@ fault. Every finding keeps the lines that hold its cues, strongest first.
 from __future__ import annotations
 
 import re
+from itertools import islice
 
 from trainwatch.diagnostics.findings import ERROR_CATEGORIES, FINDING_KEYS
 from trainwatch.diagnostics.loss_health import judged_areas
@@ -195,7 +196,7 @@ def area_scores(text: str) -> dict[str, tuple[float, list[str]]]:
             continue
         total, evidence = 0.0, []
         for pattern, weight, needed in cues:
-            hits = [line for line in lines if pattern.search(line)][:needed]
+            hits = list(islice((line for line in lines if pattern.search(line)), needed))
             if len(hits) < needed:
                 continue
             hit = hits[0]

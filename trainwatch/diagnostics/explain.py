@@ -15,10 +15,10 @@ import re
 from typing import Callable
 
 from trainwatch.diagnostics.boxed_text import unbox
+from trainwatch.diagnostics.cues import cue_findings
 from trainwatch.diagnostics.findings import FINDING_KEYS
 from trainwatch.diagnostics.kernel_log import xid_findings
 from trainwatch.diagnostics.logparse import ParsedLog, parse_log, rank_from_name, unexplained_exception
-from trainwatch.diagnostics.cues import cue_findings
 from trainwatch.diagnostics.prose import prose_hang
 from trainwatch.diagnostics.rank_comparison import collapse_ranks, mismatch_findings
 from trainwatch.diagnostics.stack_groups import stack_findings

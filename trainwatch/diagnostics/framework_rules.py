@@ -11,7 +11,7 @@ import re
 from trainwatch.diagnostics.line_rule import LineRule, nothing as _nothing, words as _words
 from trainwatch.diagnostics.nccl_facts import NCCL_RETURN_CODES
 
-def _KERNEL(m: re.Match[str]) -> dict:  # noqa: N802 - a rule-table reader, named like the others
+def _kernel_event(m: re.Match[str]) -> dict:
     """A kernel-log event about a process; an Xid read from the same log already accounts for it."""
     return {"kernel_event": True}
 
@@ -217,12 +217,12 @@ FRAMEWORK_RULES: tuple[LineRule, ...] = (
     # in the kernel (I/O, a driver call) for minutes, a CPU locked up. Hints: beside an Xid or
     # an error that names the failure, they are its consequences.
     LineRule("kernel-segfault", "segfault", "other", re.compile(
-        r"\bsegfault\s*at\s*[0-9a-f]{1,16}\s*ip\s*[0-9a-f]{1,16}"), _KERNEL, role="hint"),
+        r"\bsegfault\s*at\s*[0-9a-f]{1,16}\s*ip\s*[0-9a-f]{1,16}"), _kernel_event, role="hint"),
     LineRule("kernel-general-protection", "general protection", "other", re.compile(
-        r"traps:\s*\S{1,80}\s*general\s*protection"), _KERNEL, role="hint"),
+        r"traps:\s*\S{1,80}\s*general\s*protection"), _kernel_event, role="hint"),
     LineRule("kernel-hung-task", "blocked for more than", "other", re.compile(
-        r"INFO:\s*task\s*\S{1,80}\s*blocked\s*for\s*more\s*than\s*\d{1,6}\s*seconds"), _KERNEL, role="hint"),
-    LineRule("kernel-soft-lockup", "soft lockup", "other", re.compile(r"soft\s*lockup\s*-\s*CPU#\d"), _KERNEL,
+        r"INFO:\s*task\s*\S{1,80}\s*blocked\s*for\s*more\s*than\s*\d{1,6}\s*seconds"), _kernel_event, role="hint"),
+    LineRule("kernel-soft-lockup", "soft lockup", "other", re.compile(r"soft\s*lockup\s*-\s*CPU#\d"), _kernel_event,
              role="hint"),
     LineRule("mpi-abort", "mpi_abort", "child_failed", re.compile(
         r"MPI_ABORT\s*was\s*invoked\s*on\s*rank\s*(?P<rank>\d{1,9})"), lambda m: {"rank": int(m.group("rank"))}),
