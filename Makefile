@@ -37,7 +37,7 @@ run: setup
 	$(BIN)/trainwatch launch --nproc-per-node 2
 
 test: setup system-deps
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra --durations=20
 
 # Flaky-test finder: the end-to-end tests N times (shuffled after the first
 # run, the last beside a CPU hog); lists every test that did not always pass.
