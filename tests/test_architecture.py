@@ -1,7 +1,8 @@
 """The import layers of docs/architecture.md, checked against every import in
 the code (module level and function level): what runs in the training process
-imports nothing of the launcher, sidecar or commands; the watchdog never
-imports the trainer; nothing imports in a cycle."""
+imports nothing of the launcher, sidecar or commands; the sidecar imports
+nothing of the launcher; neither imports the trainer; nothing imports in a
+cycle."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ ALLOWED = {
     "trainwatch.rank": LEVEL2 | {"trainwatch.inject", "trainwatch.rank"},
     "trainwatch.trainer": LEVEL2 | {"trainwatch.inject", "trainwatch.rank", "trainwatch.trainer"},
     "trainwatch.views": LEVEL2 | {"trainwatch.views"},
-    "trainwatch.watchdog": LEVEL2 | {"trainwatch.inject", "trainwatch.views", "trainwatch.watchdog"},
+    "trainwatch.watchdog": LEVEL2 | {"trainwatch.inject", "trainwatch.watchdog"},
+    "trainwatch.launcher": LEVEL2 | {"trainwatch.inject", "trainwatch.views", "trainwatch.watchdog",
+                                     "trainwatch.launcher"},
 }
 PROCESS_MODULES = {"subprocess", "multiprocessing", "psutil", "concurrent", "threading"}
 
@@ -112,7 +115,8 @@ def test_every_import_respects_the_layers():
 
 def test_rank_side_never_imports_launcher_sidecar_or_commands():
     known = modules()
-    forbidden = ("trainwatch.watchdog", "trainwatch.views", "trainwatch.cli", "trainwatch.dashboards")
+    forbidden = ("trainwatch.watchdog", "trainwatch.launcher", "trainwatch.views", "trainwatch.cli",
+                 "trainwatch.dashboards")
     for name, path in known.items():
         if owner(name) in ("trainwatch.rank", "trainwatch.inject", "trainwatch.trainer"):
             leaks = [t for t in internal(imports(path, name), known) if t.startswith(forbidden)]

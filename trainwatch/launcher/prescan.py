@@ -11,7 +11,7 @@ import os
 import socket
 
 from trainwatch import env, liveness, state
-from trainwatch.watchdog import configfile
+from trainwatch.launcher import configfile
 
 # torchrun and trainwatch options that take no value (every other option does).
 _FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--insecure-store", "--print-config", "--no-python",

@@ -25,8 +25,8 @@ from trainwatch.records import JobStatus
 from trainwatch.inject import spec as inject
 from trainwatch.usage import printable
 from trainwatch.views.summary import failure_summary
-from trainwatch.watchdog import failures, guard, prescan, preflight, rendezvous, warmstart
-from trainwatch.watchdog.options import PREEMPTED_EXIT, LaunchConfig, LaunchError, parse, print_config
+from trainwatch.launcher import failures, guard, prescan, preflight, rendezvous, warmstart
+from trainwatch.launcher.options import PREEMPTED_EXIT, LaunchConfig, LaunchError, parse, print_config
 
 log = logging.getLogger("trainwatch")
 
@@ -162,7 +162,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     from torch.distributed.elastic.rendezvous.api import RendezvousError as RENDEZVOUS_ERRORS
     from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
-    from trainwatch.watchdog.agent import TrainwatchAgent
+    from trainwatch.launcher.agent import TrainwatchAgent
 
     # Same defaults torchrun applies in run(): a single-node job gets a local c10d store.
     if args.standalone:
