@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from trainwatch import codec
 from trainwatch.codec import check
-from trainwatch.watchdog.detectors.base import RankExit, rank_exit_from_line
+from trainwatch.watchdog.rankexit import RankExit, rank_exit_from_line
 from trainwatch.launcher.failures import RankFailure
 
 

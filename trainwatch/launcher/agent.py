@@ -26,7 +26,7 @@ from trainwatch import codec, env, records, slots, state
 from trainwatch.records import JobStatus
 from trainwatch.launcher import failures, warmstart
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
-from trainwatch.watchdog.detectors.base import RankExit
+from trainwatch.watchdog.rankexit import RankExit
 from trainwatch.usage import printable
 
 log = logging.getLogger("trainwatch")
