@@ -4,8 +4,11 @@
                       [watchdog options] [SCRIPT | -m MODULE] [ARGS...]
 
 With no script it runs the integrated trainer's default job. The options are
-parsed and checked in `options`; here the job directory, the slot segment, the
-sidecar and torchelastic's agent are set up and run.
+parsed and checked in `options`; here a launch runs its steps in order: the job
+name claimed and its directory made, torchrun's defaults applied, the warm
+start begun, the slot segment made and the environment set for the ranks, the
+rendezvous joined, the sidecar started (`sidecarprocess`), torchelastic's agent
+run, then the clean-up and the report of how the job ended.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 
 from trainwatch import env, liveness, netbind, slots, state
 from trainwatch.records import JobStatus
@@ -27,82 +30,11 @@ from trainwatch.usage import printable
 from trainwatch.views.summary import failure_summary
 from trainwatch.launcher import failures, guard, prescan, preflight, rendezvous, warmstart
 from trainwatch.launcher.options import PREEMPTED_EXIT, LaunchConfig, LaunchError, parse, print_config
+from trainwatch.launcher.sidecarprocess import SidecarProcess, start_sidecar
 
 log = logging.getLogger("trainwatch")
 
 __all__ = ["LaunchError", "launch"]
-
-
-class SidecarProcess:
-    """Starts the node sidecar and keeps it running: if it dies, training goes on
-    and the agent starts a new one (the sidecar is never a single point of failure)."""
-
-    def __init__(self, config: LaunchConfig, segment_path: str, node: str, run_id: str, extra: list[str] = ()):
-        self.config = config
-        self.run_id = run_id
-        self.extra = list(extra)
-        self.dir = state.JobDir(config.job)
-        self.segment_path = segment_path
-        self.node = node
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        self.config.sidecar.write(self.dir.sidecar_config_file)
-        # After the first start, rebind the same port so scrapers keep working.
-        port = self.config.metrics_port
-        if self.starts > 0:
-            addr = str((state.read_json(self.dir.sidecar_file) or {}).get("metrics") or "")
-            if addr.rsplit(":", 1)[-1].isdigit():
-                port = int(addr.rsplit(":", 1)[1])
-        cmd = [
-            sys.executable, "-m", "trainwatch.watchdog.sidecar",
-            "--job", self.config.job,
-            "--slots", self.segment_path,
-            "--node", self.node,
-            "--metrics-host", self.config.metrics_host,
-            "--metrics-port", str(port),
-            "--config", str(self.dir.sidecar_config_file),
-            "--run", self.run_id,
-            "--launcher-pid", str(os.getpid()),
-            *self.extra,
-        ]
-        # torch's C++ store client logs a stack dump when a peer's store goes
-        # away at the end of a multi-node job; the sidecar says it in one line.
-        environ = {**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=environ)
-        self.starts += 1
-        if self.starts > 1:
-            self.dir.update_job(sidecar_pid=self.proc.pid, sidecar_starts=self.starts)
-
-    def wait_ready(self, timeout_s: float = 30.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            rec = state.read_json(self.dir.sidecar_file)
-            if rec and self.proc is not None and rec.get("pid") == self.proc.pid:
-                return rec
-            if self.proc is not None and self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        return {}
-
-    def ensure_running(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            print(
-                f"[trainwatch] sidecar exited with code {self.proc.returncode}; starting a new one (training continues)",
-                flush=True,
-            )
-            self.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _worker_command(args: argparse.Namespace, cmd, cmd_args: list[str]) -> tuple:
@@ -130,7 +62,66 @@ def launch(argv: list[str], announced: tuple[str, state.JobDir, liveness.RunLock
         return _launch(argv, early, marker, lock, undo)
 
 
+@dataclass(slots=True)
+class _Run:
+    """What the steps of one launch share: the options and this run's identity."""
+
+    args: argparse.Namespace
+    """torchrun's options and trainwatch's, parsed."""
+    config: LaunchConfig
+    """trainwatch's own launch settings."""
+    job_dir: state.JobDir
+    """The job's state directory, created."""
+    lock: liveness.RunLock
+    """This process's hold on the job name, kept for its life."""
+    run_id: str
+    """This run's id (a fresh one per launch)."""
+    node: str
+    """This node's name."""
+
+
 def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock, undo: list) -> int:
+    """The launch's steps, in order; the launcher's exit code."""
+    run = _claim_job(argv, early, marker, lock)
+    # torch loads only now, after the job was announced: `diagnose` knows it meanwhile.
+    from torch.distributed.run import config_from_args
+
+    store_bind, single_node = _torchrun_defaults(run)
+    try:
+        launch_config, cmd, cmd_args = config_from_args(run.args)
+    except (ValueError, AssertionError, RuntimeError) as e:
+        raise LaunchError(f"invalid torchrun options: {e}") from None
+    cmd, cmd_args = _worker_command(run.args, cmd, cmd_args)
+    zygote = _start_zygote(run, cmd, cmd_args, undo)
+    segment_path, segment = _create_segment(run, launch_config.nproc_per_node, undo)
+    _export_environment(run, store_bind, segment_path)
+    _record_start(run, marker, launch_config.nproc_per_node, segment_path)
+    rdzv_parameters, rdzv_handler, hosts_store = _rendezvous(run, launch_config, store_bind if single_node else None)
+    sidecar = start_sidecar(run.config, run.job_dir, run.node, run.run_id, launch_config, segment_path,
+                            single_node=single_node, hosts_store=hosts_store, store_bind=store_bind, undo=undo)
+    agent = _make_agent(run, launch_config, cmd, cmd_args, rdzv_parameters, rdzv_handler, segment, sidecar, zygote)
+
+    status, code, nonfinite = JobStatus.FAILED, 1, None
+    undo.clear()  # from here the clean-up below owns the segment, the sidecar and the zygote
+    try:
+        status, code = _run_agent(run, agent, launch_config.rdzv_endpoint)
+    finally:
+        status, code, nonfinite = _clean_up(run, agent, sidecar, segment, segment_path, status, code)
+    print(f"[trainwatch] job {run.config.job} {status} (restarts: {agent.restart_count})", flush=True)
+    if status is JobStatus.FAILED:
+        cause = None
+        if agent.fatal is not None:
+            cause = f"{agent.fatal[0].describe()} ({agent.fatal[1]}; not restarted)"
+        elif nonfinite:
+            cause = nonfinite
+        print(printable(failure_summary(run.config.job, agent.restart_count, run.args.max_restarts, cause)),
+              file=sys.stderr, flush=True)
+    return code
+
+
+def _claim_job(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock) -> _Run:
+    """Parse and check the options, then make the job name this run's: its lock,
+    its directory, what an earlier run of it left cleaned."""
     args, config = parse(argv, default_job=early)
     # The ranks never need the job secret: it goes to the sidecar through an owner-only file.
     os.environ.pop(env.JOB_SECRET, None)
@@ -155,15 +146,16 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     if previous is not None:
         liveness.reap(job_dir, previous, locked=True)
     job_dir.start_run()
-    run_id = uuid.uuid4().hex[:12]
+    return _Run(args=args, config=config, job_dir=job_dir, lock=lock, run_id=uuid.uuid4().hex[:12],
+                node=args.node_name or socket.gethostname())
 
-    # torch loads only now, after the job was announced: `diagnose` knows it meanwhile.
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError as RENDEZVOUS_ERRORS
-    from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
-    from trainwatch.launcher.agent import TrainwatchAgent
+def _torchrun_defaults(run: _Run) -> tuple[str | None, bool]:
+    """torchrun's own defaults and trainwatch's on the rendezvous options;
+    (the address the c10d stores bind, whether the job is single-node)."""
+    from torch.distributed.run import parse_min_max_nnodes
 
+    args, config = run.args, run.config
     # Same defaults torchrun applies in run(): a single-node job gets a local c10d store.
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -191,28 +183,29 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"join_timeout={int(args.rdzv_timeout) or 1}"]))
     if not config.sidecar.actions.restart:
         args.max_restarts = 0  # alert-only: crashes are reported, never restarted
+    return store_bind, single_node
 
-    try:
-        launch_config, cmd, cmd_args = config_from_args(args)
-    except (ValueError, AssertionError, RuntimeError) as e:
-        raise LaunchError(f"invalid torchrun options: {e}") from None
-    cmd, cmd_args = _worker_command(args, cmd, cmd_args)
-    zygote = None
-    if not args.no_warm_start and isinstance(cmd, str) and tuple(cmd_args[:3]) == warmstart.BOOTSTRAP \
-            and warmstart.install():
-        # It imports torch (and the entry's installed packages) while the sidecar
-        # starts and the rendezvous runs; it dies with the launcher.
-        zygote = warmstart.Zygote(warmstart.entry_imports(args.training_script, args.module), list(cmd_args[3:]),
-                                  config.job)
-        zygote.start()
 
-    node = args.node_name or socket.gethostname()
-    nslots = launch_config.nproc_per_node
+def _start_zygote(run: _Run, cmd, cmd_args: list[str], undo: list) -> warmstart.Zygote | None:
+    """The warm-start process the workers are forked from, when the entry allows one."""
+    args = run.args
+    if args.no_warm_start or not isinstance(cmd, str) or tuple(cmd_args[:3]) != warmstart.BOOTSTRAP \
+            or not warmstart.install():
+        return None
+    # It imports torch (and the entry's installed packages) while the sidecar
+    # starts and the rendezvous runs; it dies with the launcher.
+    zygote = warmstart.Zygote(warmstart.entry_imports(args.training_script, args.module), list(cmd_args[3:]),
+                              run.config.job)
+    zygote.start()
+    undo.append(zygote.close)
+    return zygote
+
+
+def _create_segment(run: _Run, nslots: int, undo: list) -> tuple[str, slots.Segment]:
+    """The node's shared-memory slot segment, one slot per local rank."""
     # One segment per run and node: two launches never share one, whatever their homes.
-    segment_path = os.path.join(slots.default_segment_dir(),
-                                f"trainwatch-{os.getuid()}-{config.job}@{state.safe_filename(node)}-{run_id}.slots")
-    if zygote is not None:
-        undo.append(zygote.close)
+    segment_path = os.path.join(slots.default_segment_dir(), f"trainwatch-{os.getuid()}-{run.config.job}@"
+                                f"{state.safe_filename(run.node)}-{run.run_id}.slots")
     try:
         slots.create_segment(segment_path, nslots)
         undo.append(lambda: os.unlink(segment_path))
@@ -220,9 +213,14 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         undo.append(segment.close)
     except ValueError as e:
         raise LaunchError(str(e)) from None
+    return segment_path, segment
 
+
+def _export_environment(run: _Run, store_bind: str | None, segment_path: str) -> None:
+    """What the ranks and the sidecar read from the environment (trainwatch.env)."""
+    config = run.config
     os.environ[env.JOB] = config.job
-    os.environ[env.RUN] = run_id
+    os.environ[env.RUN] = run.run_id
     os.environ[env.LAUNCHER_PID] = str(os.getpid())
     if store_bind:
         os.environ[env.STORE_BIND] = store_bind
@@ -239,16 +237,20 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
     os.environ.setdefault(env.FRESH_RDZV_STORE, "1")
     # Checkpoints (periodic and emergency) default into the job's directory, so a
     # restarted worker group resumes from them with no flag.
-    os.environ.setdefault(env.CKPT_DIR, str(job_dir.checkpoints_dir))
+    os.environ.setdefault(env.CKPT_DIR, str(run.job_dir.checkpoints_dir))
 
+
+def _record_start(run: _Run, marker: state.JobDir, nslots: int, segment_path: str) -> None:
+    """job.json says `starting` with what this run is; the launch marker goes."""
+    args = run.args
     entry = " ".join([("-m " if args.module else "") + args.training_script, *args.training_script_args])
-    job_dir.update_job(
+    run.job_dir.update_job(
         status=JobStatus.STARTING,
-        run_id=run_id,
+        run_id=run.run_id,
         node_scoped=bool(os.environ.get(env.NODE_SCOPE)),
         start_time=time.time(),
-        node=node,
-        nodes=[node],
+        node=run.node,
+        nodes=[run.node],
         launcher_pid=os.getpid(),
         nproc_per_node=nslots,
         nnodes=args.nnodes,
@@ -256,16 +258,19 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         restarts=0,
         entrypoint=entry,
         slots=segment_path,
-        state_dir=str(job_dir.path),
-        faults=[f.to_json() for f in config.faults],
+        state_dir=str(run.job_dir.path),
+        faults=[f.to_json() for f in run.config.faults],
         metrics=None,
     )
     marker.withdraw_launch()
-    print(f"[trainwatch] job {config.job}: {entry} on {nslots} local rank(s); state in {job_dir.path}", flush=True)
+    print(f"[trainwatch] job {run.config.job}: {entry} on {nslots} local rank(s); state in {run.job_dir.path}",
+          flush=True)
 
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
+
+def _rendezvous(run: _Run, launch_config, store_bind: str | None) -> tuple:
+    """(torchelastic's rendezvous parameters, its handler, whether this node hosts the store);
+    LaunchError, with the job marked failed, when the rendezvous cannot be reached."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.launcher.api import _get_addr_and_port
 
     rdzv_parameters = RendezvousParameters(
         backend=launch_config.rdzv_backend,
@@ -277,32 +282,23 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         **launch_config.rdzv_configs,
     )
     try:
-        rdzv_handler, hosts_store = rendezvous.rendezvous_handler(rdzv_parameters, store_bind if single_node else None)
+        rdzv_handler, hosts_store = rendezvous.rendezvous_handler(rdzv_parameters, store_bind)
     except Exception as e:  # the rendezvous host unreachable: torch's RendezvousConnectionError, ...
-        job_dir.update_job(status=JobStatus.FAILED, end_time=time.time(), exit_code=1)
+        run.job_dir.update_job(status=JobStatus.FAILED, end_time=time.time(), exit_code=1)
         raise LaunchError(f"cannot reach the rendezvous at {launch_config.rdzv_endpoint} "
                           f"({type(e).__name__}); start the node hosting it first, or check --rdzv-endpoint") from None
-    # A multi-node job gets one job-wide watchdog through the rendezvous store.
-    extra = []
-    if not single_node and launch_config.rdzv_backend == "c10d":
-        extra = guard.store_sidecar_args(job_dir, rendezvous.store_address(launch_config.rdzv_endpoint), launch_config.run_id,
-                                         aggregate=hosts_store, secret=config.job_secret, undo=undo)
-    guard.warn_exposure(metrics_host=config.metrics_host if config.metrics_port >= 0 else None,
-                        store=extra[1] if extra else None, rank_store_bind=store_bind,
-                        sealed=config.job_secret is not None)
-    sidecar = SidecarProcess(config, segment_path, node, run_id, extra)
-    undo.append(sidecar.stop)
-    sidecar.start()
-    ready = sidecar.wait_ready()
-    metrics = ready.get("metrics")
-    job_dir.update_job(sidecar_pid=sidecar.proc.pid if sidecar.proc else None, metrics=metrics)
-    if metrics:
-        print(f"[trainwatch] metrics: http://{metrics}/metrics", flush=True)
-        target = state.write_scrape_target(config.job, node, rendezvous.reachable(metrics))
-        if target is None:
-            print(f"[trainwatch] warning: cannot write the Prometheus target under {state.targets_dir()}; "
-                  "set TRAINWATCH_TARGETS_DIR to a writable directory", flush=True)
+    return rdzv_parameters, rdzv_handler, hosts_store
 
+
+def _make_agent(run: _Run, launch_config, cmd, cmd_args: list[str], rdzv_parameters, rdzv_handler,
+                segment: slots.Segment, sidecar: SidecarProcess, zygote: warmstart.Zygote | None):
+    """torchelastic's agent for this node's workers, with trainwatch's handling of exits and restarts."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.launcher.api import _get_addr_and_port
+
+    from trainwatch.launcher.agent import TrainwatchAgent
+
+    config = run.config
     master_addr, master_port = _get_addr_and_port(rdzv_parameters)
     # Preemption signals (Slurm's --signal=USR1) reach the agent as torchelastic's SignalException too.
     handled = [x.strip() for x in launch_config.signals_to_handle.split(",") if x.strip()]
@@ -320,106 +316,111 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         master_port=master_port,
         local_addr=launch_config.local_addr,
     )
-    agent = TrainwatchAgent(
+    return TrainwatchAgent(
         spec=spec,
         logs_specs=launch_config.logs_specs,
         start_method=launch_config.start_method,
         log_line_prefix_template=launch_config.log_line_prefix_template,
         job=config.job,
-        run_id=run_id,
+        run_id=run.run_id,
         segment=segment,
         sidecar=sidecar,
         emergency_timeout_s=config.sidecar.actions.emergency_timeout_s,
         zygote=zygote,
         preempt_signals=frozenset(int(getattr(signal, f"SIG{name}")) for name in config.preempt_signals),
         preempt_grace_s=config.preempt_grace_s,
-        node=node,
+        node=run.node,
     )
 
-    status, code = JobStatus.FAILED, 1
-    undo.clear()  # from here the clean-up below owns the segment, the sidecar and the zygote
+
+def _run_agent(run: _Run, agent, rdzv_endpoint: str) -> tuple[JobStatus, int]:
+    """Run the job to its end; (its status, the launcher's exit code)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError as RENDEZVOUS_ERRORS
+
+    job = run.config.job
     try:
         result = agent.run()
-        from torch.distributed.elastic.agent.server.api import WorkerState
-
-        if result.state != WorkerState.SUCCEEDED:
-            status, code = JobStatus.FAILED, 1
-            exits = ", ".join(
-                f"rank {r}: exit code {f.exitcode}" for r, f in sorted(result.failures.items())
-            ) or "the watchdog's restart budget is spent"
-            print(f"[trainwatch] job {config.job} failed ({exits})", file=sys.stderr, flush=True)
-        else:
-            status, code = JobStatus.SUCCEEDED, 0
+        if result.state == WorkerState.SUCCEEDED:
+            return JobStatus.SUCCEEDED, 0
+        exits = ", ".join(
+            f"rank {r}: exit code {f.exitcode}" for r, f in sorted(result.failures.items())
+        ) or "the watchdog's restart budget is spent"
+        print(f"[trainwatch] job {job} failed ({exits})", file=sys.stderr, flush=True)
     except ChildFailedError as e:
         # torchelastic's summary quotes the ranks' own error files: shown, never acted on by the terminal.
-        print(printable(f"[trainwatch] job {config.job} failed: {e}"), file=sys.stderr, flush=True)
+        print(printable(f"[trainwatch] job {job} failed: {e}"), file=sys.stderr, flush=True)
     except RENDEZVOUS_ERRORS as e:
-        host_lost, why = failures.rendezvous_lost(e, launch_config.rdzv_endpoint)
-        print(printable(f"[trainwatch] job {config.job} failed: the nodes did not meet again ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); {why}"), file=sys.stderr,
-              flush=True)
-        if host_lost:  # this node survived the one that held the store: its incident, in its own records
-            job_dir.append_event({"kind": "node_lost", "id": f"{node}-{run_id}-rdzv-host", "severity": "critical",
+        _rendezvous_lost(run, e, rdzv_endpoint)
+    except KeyboardInterrupt:
+        return JobStatus.STOPPED, 130
+    except Exception as e:  # SignalException from torchelastic on SIGTERM/SIGINT
+        if type(e).__name__ != "SignalException":
+            raise
+        code = 128 + int(getattr(e, "sigval", signal.SIGTERM))
+        if agent.preempted is None:
+            print(f"[trainwatch] job {job} stopped by {getattr(e, 'sigval', 'signal')}", flush=True)
+            return JobStatus.STOPPED, code
+        print(f"[trainwatch] job {job} preempted by {agent.preempted['signal']}: {agent.preempted['said']}; "
+              f"exit code {PREEMPTED_EXIT}: launch it again with --job {job} to resume", flush=True)
+        return JobStatus.STOPPED, PREEMPTED_EXIT
+    return JobStatus.FAILED, 1
+
+
+def _rendezvous_lost(run: _Run, error: Exception, rdzv_endpoint: str) -> None:
+    """The nodes did not meet again: said, and, when the node holding the store
+    is gone, recorded as this node's node_lost incident."""
+    job, node, run_id = run.config.job, run.node, run.run_id
+    host_lost, why = failures.rendezvous_lost(error, rdzv_endpoint)
+    print(printable(f"[trainwatch] job {job} failed: the nodes did not meet again ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0][:200] if str(error) else 'no detail'}); {why}"), file=sys.stderr,
+          flush=True)
+    if host_lost:  # this node survived the one that held the store: its incident, in its own records
+        run.job_dir.append_event({"kind": "node_lost", "id": f"{node}-{run_id}-rdzv-host", "severity": "critical",
                                   "runbook": "node-lost", "culprit_ranks": [], "victims": [], "node": node,
                                   "summary": f"node_lost: {why}", "time": time.time(),
-                                  "evidence": {"node": "rendezvous host", "endpoint": launch_config.rdzv_endpoint}})
-            job_dir.append_event({"kind": "resolved", "incident": f"{node}-{run_id}-rdzv-host", "count": 1,
+                                  "evidence": {"node": "rendezvous host", "endpoint": rdzv_endpoint}})
+        run.job_dir.append_event({"kind": "resolved", "incident": f"{node}-{run_id}-rdzv-host", "count": 1,
                                   "duration_s": 0.0, "reason": "the job ended", "time": time.time()})
-    except KeyboardInterrupt:
-        status, code = JobStatus.STOPPED, 130
-    except Exception as e:  # SignalException from torchelastic on SIGTERM/SIGINT
-        if type(e).__name__ == "SignalException":
-            status, code = JobStatus.STOPPED, 128 + int(getattr(e, "sigval", signal.SIGTERM))
-            if agent.preempted is not None:
-                code = PREEMPTED_EXIT
-                print(f"[trainwatch] job {config.job} preempted by {agent.preempted['signal']}: "
-                      f"{agent.preempted['said']}; exit code {PREEMPTED_EXIT}: launch it again with --job "
-                      f"{config.job} to resume", flush=True)
-            else:
-                print(f"[trainwatch] job {config.job} stopped by {getattr(e, 'sigval', 'signal')}", flush=True)
-        else:
-            raise
-    finally:
-        # A second Ctrl-C or SIGTERM must not cut the clean-up short (a segment
-        # or target file left behind); what it asked for is under way.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        try:
-            agent._shutdown()
-        except Exception:
-            pass
-        sidecar.stop()
-        if agent.zygote is not None:
-            # Idle, holding nothing: its interpreter's own teardown (a second with
-            # torch imported) need not delay the job's exit.
-            agent.zygote.close(timeout_s=0.3)
-        guard.sweep_run(run_id)  # a rank's `setsid` child does not outlive the job
-        state.remove_scrape_target(config.job, node)
-        try:
-            job_dir.store_key_file.unlink()
-        except OSError:
-            pass
-        nonfinite = None
-        if status is JobStatus.SUCCEEDED and config.nan_policy == "fail":
-            nonfinite = failures.nonfinite_end(job_dir, segment.read_table(), segment.nslots, run_id)
-            if nonfinite:
-                status, code = JobStatus.FAILED, 1
-                print(f"[trainwatch] job {config.job} failed: {nonfinite} (--nan-policy alert lets such a job "
-                      "end as succeeded)", file=sys.stderr, flush=True)
-        job_dir.update_job(status=status, end_time=time.time(), exit_code=code, restarts=agent.restart_count,
-                           **({"preempted": agent.preempted} if agent.preempted is not None else {}))
-        segment.close()
-        try:
-            os.unlink(segment_path)
-        except OSError:
-            pass
-    print(f"[trainwatch] job {config.job} {status} (restarts: {agent.restart_count})", flush=True)
-    if status is JobStatus.FAILED:
-        cause = None
-        if agent.fatal is not None:
-            cause = f"{agent.fatal[0].describe()} ({agent.fatal[1]}; not restarted)"
-        elif nonfinite:
-            cause = nonfinite
-        print(printable(failure_summary(config.job, agent.restart_count, args.max_restarts, cause)), file=sys.stderr,
-              flush=True)
-    return code
+
+
+def _clean_up(run: _Run, agent, sidecar: SidecarProcess, segment: slots.Segment, segment_path: str,
+              status: JobStatus, code: int) -> tuple[JobStatus, int, str | None]:
+    """Stop what the job started and record how it ended; (its status, the exit
+    code, why a job that succeeded failed after all: a non-finite end)."""
+    config, job_dir = run.config, run.job_dir
+    # A second Ctrl-C or SIGTERM must not cut the clean-up short (a segment
+    # or target file left behind); what it asked for is under way.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        agent._shutdown()
+    except Exception:
+        pass
+    sidecar.stop()
+    if agent.zygote is not None:
+        # Idle, holding nothing: its interpreter's own teardown (a second with
+        # torch imported) need not delay the job's exit.
+        agent.zygote.close(timeout_s=0.3)
+    guard.sweep_run(run.run_id)  # a rank's `setsid` child does not outlive the job
+    state.remove_scrape_target(config.job, run.node)
+    try:
+        job_dir.store_key_file.unlink()
+    except OSError:
+        pass
+    nonfinite = None
+    if status is JobStatus.SUCCEEDED and config.nan_policy == "fail":
+        nonfinite = failures.nonfinite_end(job_dir, segment.read_table(), segment.nslots, run.run_id)
+        if nonfinite:
+            status, code = JobStatus.FAILED, 1
+            print(f"[trainwatch] job {config.job} failed: {nonfinite} (--nan-policy alert lets such a job "
+                  "end as succeeded)", file=sys.stderr, flush=True)
+    job_dir.update_job(status=status, end_time=time.time(), exit_code=code, restarts=agent.restart_count,
+                       **({"preempted": agent.preempted} if agent.preempted is not None else {}))
+    segment.close()
+    try:
+        os.unlink(segment_path)
+    except OSError:
+        pass
+    return status, code, nonfinite
