@@ -712,7 +712,7 @@ CUDA_TOUCH = "import torch\nx = torch.ones(1024, device='cuda')\nprint('cuda sum
 def check_zygote_cuda(ctx: Context) -> dict:
     """The zygote preloads the trainer's imports without creating a CUDA context, and
     a worker it forks uses the GPU."""
-    from trainwatch.watchdog import warmstart
+    from trainwatch.launcher import warmstart
 
     script = Path(ctx.work) / "cuda_touch.py"
     script.write_text(CUDA_TOUCH if ctx.cuda else "print('cuda sum', 1024.0, flush=True)\n")
@@ -815,7 +815,7 @@ def probe(device: str) -> Context:
     whether this Python's torch can use them (asked in a subprocess)."""
     if device == "cpu":
         return Context(device="cpu", no_gpu="--device cpu: a rehearsal without a GPU")
-    from trainwatch.watchdog.preflight import read_gpus
+    from trainwatch.launcher.preflight import read_gpus
 
     gpus, reason = read_gpus()
     if not gpus:

@@ -70,7 +70,7 @@ def _skip_gpu_tests(items) -> None:
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
-    from trainwatch.watchdog.preflight import read_gpus
+    from trainwatch.launcher.preflight import read_gpus
 
     gpus, reason = read_gpus()
     if gpus:

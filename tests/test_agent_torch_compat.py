@@ -7,7 +7,7 @@ import signal
 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from trainwatch.watchdog import agent as agent_mod
+from trainwatch.launcher import agent as agent_mod
 
 
 class _Context:

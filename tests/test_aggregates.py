@@ -82,7 +82,7 @@ def test_every_phase_has_a_counter_from_the_start():
 
 
 def test_a_detail_that_does_not_exist_is_a_launch_error():
-    from trainwatch.watchdog.options import LaunchError, parse
+    from trainwatch.launcher.options import LaunchError, parse
 
     with pytest.raises(LaunchError, match="--metrics-detail must be one of rank, node, job"):
         parse(["--metrics-detail", "pod", "tests/scripts/plain_ddp.py"])

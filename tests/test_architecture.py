@@ -1,12 +1,15 @@
 """The import layers of docs/architecture.md, checked against every import in
 the code (module level and function level): what runs in the training process
-imports nothing of the launcher, sidecar or commands; the watchdog never
-imports the trainer; nothing imports in a cycle."""
+imports nothing of the launcher, sidecar or commands; the sidecar imports
+nothing of the launcher; neither imports the trainer; nothing imports in a
+cycle."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,8 +46,14 @@ ALLOWED = {
     "trainwatch.rank": LEVEL2 | {"trainwatch.inject", "trainwatch.rank"},
     "trainwatch.trainer": LEVEL2 | {"trainwatch.inject", "trainwatch.rank", "trainwatch.trainer"},
     "trainwatch.views": LEVEL2 | {"trainwatch.views"},
-    "trainwatch.watchdog": LEVEL2 | {"trainwatch.inject", "trainwatch.views", "trainwatch.watchdog"},
+    "trainwatch.watchdog": LEVEL2 | {"trainwatch.inject", "trainwatch.watchdog"},
+    "trainwatch.launcher": LEVEL2 | {"trainwatch.inject", "trainwatch.views", "trainwatch.launcher",
+                                     *(f"trainwatch.watchdog.{m}" for m in ("config", "checkpointing", "rankexit",
+                                                                            "nvml"))},
 }
+# What of the sidecar a launch loads: its typed config, never its machinery.
+SIDECAR_MACHINERY = ("trainwatch.watchdog.detectors", "trainwatch.watchdog.engine", "trainwatch.watchdog.responder",
+                     "trainwatch.watchdog.exporter", "trainwatch.watchdog.sidecar")
 PROCESS_MODULES = {"subprocess", "multiprocessing", "psutil", "concurrent", "threading"}
 
 
@@ -112,11 +121,26 @@ def test_every_import_respects_the_layers():
 
 def test_rank_side_never_imports_launcher_sidecar_or_commands():
     known = modules()
-    forbidden = ("trainwatch.watchdog", "trainwatch.views", "trainwatch.cli", "trainwatch.dashboards")
+    forbidden = ("trainwatch.watchdog", "trainwatch.launcher", "trainwatch.views", "trainwatch.cli",
+                 "trainwatch.dashboards")
     for name, path in known.items():
         if owner(name) in ("trainwatch.rank", "trainwatch.inject", "trainwatch.trainer"):
             leaks = [t for t in internal(imports(path, name), known) if t.startswith(forbidden)]
             assert not leaks, f"{name} imports {leaks}"
+
+
+def test_launcher_imports_no_detector():
+    """Launching loads the watchdog's typed config (its flags are generated from
+    it), never the detectors or the rest of the sidecar: checked in a fresh
+    interpreter, after importing every module of the launcher."""
+    probe = ("import pkgutil, importlib, sys, trainwatch.launcher as l\n"
+             "for m in pkgutil.iter_modules(l.__path__): importlib.import_module('trainwatch.launcher.' + m.name)\n"
+             "print(' '.join(sorted(m for m in sys.modules if m.startswith('trainwatch'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            cwd=ROOT).stdout.split()
+    assert "trainwatch.launcher.launch" in loaded and "trainwatch.launcher.agent" in loaded
+    leaks = [m for m in loaded if m.startswith(SIDECAR_MACHINERY)]
+    assert not leaks, f"the launcher imports the sidecar's {leaks}"
 
 
 def test_diagnostics_run_no_process():

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from trainwatch import codec
 from trainwatch.codec import check
-from trainwatch.watchdog.detectors.base import RankExit, rank_exit_from_line
-from trainwatch.watchdog.failures import RankFailure
+from trainwatch.watchdog.rankexit import RankExit, rank_exit_from_line
+from trainwatch.launcher.failures import RankFailure
 
 
 class Colour(enum.Enum):
@@ -59,7 +59,7 @@ def test_required_fields_make_a_record_unreadable_and_optional_ones_fall_back():
 
 
 def test_the_declared_records_read_their_own_writers_output():
-    from trainwatch.watchdog.agent import exit_line
+    from trainwatch.launcher.agent import exit_line
 
     line = json.dumps(exit_line(2, 0, 77, -9, node="n1", run="r", first=True)).encode()
     e = rank_exit_from_line(line, "other", run="r")
@@ -196,7 +196,7 @@ def test_any_restart_request_file_is_taken_or_ignored(tmp_path_factory, raw):
     from types import SimpleNamespace
 
     from trainwatch import records, state
-    from trainwatch.watchdog.agent import TrainwatchAgent
+    from trainwatch.launcher.agent import TrainwatchAgent
 
     job = state.JobDir("req", root=tmp_path_factory.mktemp("req")).create()
     job.restart_request_file.parent.mkdir(parents=True, exist_ok=True)

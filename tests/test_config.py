@@ -9,7 +9,7 @@ import pytest
 
 from trainwatch import flags
 from trainwatch.watchdog.config import SidecarConfig, launch_flags
-from trainwatch.watchdog.options import LaunchError, parse
+from trainwatch.launcher.options import LaunchError, parse
 
 SCRIPT = "tests/scripts/plain_ddp.py"
 
@@ -94,7 +94,7 @@ def test_learnt_hang_threshold_flags():
 
 
 def test_bool_flags_need_no_value_in_the_prescan():
-    from trainwatch.watchdog.options import prescan_job
+    from trainwatch.launcher.options import prescan_job
 
     assert prescan_job(["--no-live-counts", "--no-restart", "--job", "j1", SCRIPT]) == "j1"
 

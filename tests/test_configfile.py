@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainwatch import flags
-from trainwatch.watchdog import configfile
+from trainwatch.launcher import configfile
 from trainwatch.watchdog.config import launch_flags
-from trainwatch.watchdog.options import LaunchError, build_parser, parse, prescan_job, prescan_node_scope
+from trainwatch.launcher.options import LaunchError, build_parser, parse, prescan_job, prescan_node_scope
 
 from util import ROOT, env_for, trainwatch
 

@@ -157,7 +157,7 @@ def test_job_phase_at_the_edges():
 
 
 def test_prescan_reads_the_job_name_without_torch():
-    from trainwatch.watchdog.options import prescan_job
+    from trainwatch.launcher.options import prescan_job
 
     assert prescan_job(["--nproc-per-node", "2", "--job", "a1", "train.py", "--job", "x"]) == "a1"
     assert prescan_job(["--standalone", "--job=b2", "-m", "pkg"]) == "b2"
@@ -190,9 +190,9 @@ def test_launch_is_announced_before_anything_heavy_is_imported(home, capsys):
     import sys
 
     from trainwatch.views import diagnose
-    from trainwatch.watchdog import prescan
+    from trainwatch.launcher import prescan
 
-    probe = ("import sys, trainwatch.watchdog.prescan; "
+    probe = ("import sys, trainwatch.launcher.prescan; "
              "print(sorted(m for m in ('numpy', 'torch', 'trainwatch.watchdog.config') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
     name, marker, lock = prescan.announce(["--nproc-per-node", "2", "--job", "announced", "train.py"])

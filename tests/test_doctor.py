@@ -22,7 +22,7 @@ from trainwatch.diagnostics.runbooks import get_runbook
 from trainwatch.inject.fake_nvml import FakeNvml
 from trainwatch.views import doctor, fschecks, hostchecks
 from trainwatch.views.hostchecks import GpuInfo, Host, Options
-from trainwatch.watchdog.preflight import read_gpus
+from trainwatch.launcher.preflight import read_gpus
 
 GIB = 1 << 30
 

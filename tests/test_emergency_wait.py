@@ -169,7 +169,7 @@ def test_agent_survivors_ask_only_ranks_with_state_and_say_what_was_written(tmp_
     waited for; the console says what the survivors wrote."""
     from torch.distributed.elastic.multiprocessing import subprocess_handler
 
-    from trainwatch.watchdog.agent import TrainwatchAgent
+    from trainwatch.launcher.agent import TrainwatchAgent
 
     handlers = {
         0: subprocess_handler.SubprocessHandler("sh", ("-c", "exit 3"), {}, None, None, 0, None),
@@ -226,7 +226,7 @@ def test_agent_a_clean_exit_seen_with_its_peers_failure_is_the_early_leaver(tmp_
     that left early (the culprit), rank 0's failure is not the first."""
     from torch.distributed.elastic.multiprocessing import subprocess_handler
 
-    from trainwatch.watchdog.agent import TrainwatchAgent
+    from trainwatch.launcher.agent import TrainwatchAgent
 
     handlers = {
         0: subprocess_handler.SubprocessHandler("sh", ("-c", "exit 1"), {}, None, None, 0, None),

@@ -23,7 +23,7 @@ import gpu_check  # noqa: E402
 
 
 def no_gpu() -> bool:
-    from trainwatch.watchdog.preflight import read_gpus
+    from trainwatch.launcher.preflight import read_gpus
 
     return not read_gpus()[0]
 

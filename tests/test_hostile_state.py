@@ -27,7 +27,8 @@ from trainwatch.views import diagnose, jobs, report, summary
 from trainwatch.watchdog import sidecar, thresholds
 from trainwatch.watchdog.config import SidecarConfig
 from trainwatch.watchdog.detectors.base import RankExit
-from trainwatch.watchdog.detectors.hang import LEARNT_PHASES, HangDetector
+from trainwatch.watchdog.detectorconfig import LEARNT_PHASES
+from trainwatch.watchdog.detectors.hang import HangDetector
 
 
 HOSTILE = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,

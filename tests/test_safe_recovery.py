@@ -27,8 +27,8 @@ from trainwatch.rank.emergency import EmergencyCheckpointer
 from trainwatch.trainer.config import TrainConfig, UsageError, resolve
 from trainwatch.trainer.resume import find_resume, read_nonfinite_marker, write_nonfinite_marker
 from trainwatch.views import hostchecks
-from trainwatch.watchdog import failures
-from trainwatch.watchdog.options import LaunchError, parse_preempt_signals
+from trainwatch.launcher import failures
+from trainwatch.launcher.options import LaunchError, parse_preempt_signals
 
 HOSTILE = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

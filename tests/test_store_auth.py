@@ -14,7 +14,7 @@ from trainwatch import env, netbind
 from trainwatch.jobstore import HOLE_GRACE_S, MAX_BACKLOG, JobStore, RecordSeal, SecretError, read_secret
 from trainwatch.watchdog.jobwide import Aggregator, Summary, decode_summary, encode_summary
 from trainwatch.watchdog.engine import DetectorEngine, _SyntheticJob
-from trainwatch.watchdog.options import LaunchError, parse
+from trainwatch.launcher.options import LaunchError, parse
 
 
 SECRET = b"0123456789abcdef0123456789abcdef"

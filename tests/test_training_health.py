@@ -18,7 +18,7 @@ from trainwatch.watchdog.detectors.steptime import StepTimeConfig, StepTimeDetec
 from trainwatch.watchdog.detectors.training import TrainingHealthConfig, TrainingHealthDetector
 from trainwatch.watchdog.detectors.trend import LossTrendConfig, LossTrendDetector
 from trainwatch.watchdog.engine import DetectorEngine, _SyntheticJob
-from trainwatch.watchdog.responder import RESTART_KINDS
+from trainwatch.watchdog.config import RESTART_KINDS
 
 NEW_KINDS = ("dead_grad", "vanishing_grad", "lr_stuck", "loss_scale_collapse", "loss_trend", "step_time_spike")
 

@@ -16,7 +16,7 @@ import pytest
 from util import events, job_json, trainwatch, wait_for
 
 from trainwatch import capture
-from trainwatch.watchdog import warmstart
+from trainwatch.launcher import warmstart
 
 SCRIPT = textwrap.dedent("""
     import json, os, random, sys, time

@@ -26,7 +26,7 @@ USAGE = """trainwatch {launch,doctor,diagnose,explain,jobs,runbook,report,dashbo
 
 def cmd_launch(argv: list[str]) -> int:
     # Announced first: `diagnose` knows the job while the launcher imports the rest.
-    from trainwatch.watchdog.prescan import announce, prescan_print_config, start_failure
+    from trainwatch.launcher.prescan import announce, prescan_print_config, start_failure
 
     announced = None
     try:
@@ -36,7 +36,7 @@ def cmd_launch(argv: list[str]) -> int:
         return fail(str(e))
     except OSError as e:  # a full or read-only home: one line, nothing to undo yet
         return fail(start_failure(e))
-    from trainwatch.watchdog.launcher import LaunchError, launch
+    from trainwatch.launcher.launch import LaunchError, launch
 
     try:
         return launch(argv, announced)
@@ -46,7 +46,7 @@ def cmd_launch(argv: list[str]) -> int:
 
 def cmd_doctor(argv: list[str]) -> int:
     from trainwatch.views import doctor
-    from trainwatch.watchdog.preflight import read_gpus
+    from trainwatch.launcher.preflight import read_gpus
 
     gpus, reason = read_gpus()
     return doctor.main(argv, gpus=gpus, gpu_reason=reason)

@@ -1,6 +1,6 @@
 """Why this rank is about to exit, in the job's errors file: the exception's
 type, the last line of its message, the user's file:line and the step. The
-agent reads it before restarting (trainwatch.watchdog.failures): what a
+agent reads it before restarting (trainwatch.launcher.failures): what a
 restart cannot fix is not restarted."""
 
 from __future__ import annotations

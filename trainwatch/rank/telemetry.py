@@ -26,7 +26,7 @@ from trainwatch.rank.slotwriter import SlotWriter
 log = logging.getLogger("trainwatch")
 
 NONFINITE_END = "NonFiniteEnd"
-"""The errors-file record of a rank whose last reported loss or grad norm was NaN/inf (watchdog.failures)."""
+"""The errors-file record of a rank whose last reported loss or grad norm was NaN/inf (launcher.failures)."""
 SAMPLE_INTERVAL_S = 0.2
 """Seconds between sampler rounds (heartbeat + flight recorder)."""
 

@@ -32,7 +32,6 @@ from trainwatch.rankrow import RankRow
 
 JOB_LABEL = "trainwatch_job"
 """The job's name as a label: `job` is Prometheus' own (the scrape job), so trainwatch never sets it."""
-DETAILS = ("rank", "node", "job")
 STATS = ("min", "median", "p99", "max")
 
 
@@ -181,8 +180,3 @@ class PhaseClock:
         for name, seconds in zip(slots.PHASES, self.seconds.tolist()):
             c.add_metric([job, node, name], seconds)
         return c
-
-
-def check_detail(detail: str) -> None:
-    if detail not in DETAILS:
-        raise ValueError(f"--metrics-detail must be one of {', '.join(DETAILS)}; got {detail!r}")

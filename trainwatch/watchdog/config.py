@@ -1,11 +1,13 @@
 """The watchdog's settings: one typed config for the sidecar, stated once.
 
-Every threshold of every detector, the engine's de-duplication, the response
-policy (capture, emergency checkpoint, restart) and the sidecar's intervals
-live in `SidecarConfig`. `trainwatch launch` generates its watchdog flags from
-these fields (`--hang-floor-s`, `--no-live-counts`, `--emergency-timeout-s`,
-...), writes the resulting config into the job's control directory as JSON
-(dataclasses, not a hand-built dict), and the sidecar reads it back.
+Every threshold of every detector (`detectorconfig`), the engine's
+de-duplication, the response policy (capture, emergency checkpoint, restart)
+and the sidecar's intervals live in `SidecarConfig`. `trainwatch launch`
+generates its watchdog flags from these fields (`--hang-floor-s`,
+`--no-live-counts`, `--emergency-timeout-s`, ...), writes the resulting config
+into the job's control directory as JSON (dataclasses, not a hand-built dict),
+and the sidecar reads it back. Nothing here imports the sidecar's machinery
+(detectors, engine, responder, exporter): the launcher reads this module.
 """
 
 from __future__ import annotations
@@ -14,10 +16,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainwatch import flags
-from trainwatch.watchdog.detectors import DetectorsConfig
-from trainwatch.watchdog.engine import EngineConfig
-from trainwatch.watchdog.responder import ActionPolicy
+from trainwatch import flags, kinds
+from trainwatch.watchdog.detectorconfig import DetectorsConfig
+from trainwatch.watchdog.incident import SEVERITIES
 
 # Flag prefix of each section (path in SidecarConfig -> prefix).
 FLAG_PREFIXES = {
@@ -36,6 +37,57 @@ FLAG_ALIASES = {
     "--no-mismatch-live-counts": "--no-live-counts",
     "--emergency-timeout-s": "--emergency-timeout",
 }
+
+
+METRICS_DETAILS = ("rank", "node", "job")
+"""What `--metrics-detail` may say (see SidecarConfig.metrics_detail)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """Settings of the detector engine."""
+
+    rearm_s: float = 60.0
+    """An open incident whose condition nobody has reported for this long is
+    resolved; reported again later, it is a new incident (s)."""
+
+
+RESTART_KINDS = kinds.RESTART_KINDS - {"crash"}
+"""Incidents the sidecar restarts the job for. Crashes restart through
+torchelastic directly (the agent sees the exit); stragglers and loss
+incidents only alert: restarting would not fix them and would lose work."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ActionPolicy:
+    """Which incidents restart the job, and how long captures and checkpoints may take."""
+
+    restart: bool = True
+    """Restart the job on hangs, mismatches and critical GPU faults; off = alert only."""
+    restart_kinds: frozenset = field(default_factory=lambda: RESTART_KINDS)
+    """Incident kinds that lead to an emergency checkpoint and a restart (names)."""
+    capture: bool = True
+    """Capture every rank's stacks on hang and mismatch incidents."""
+    capture_timeout_s: float = 5.0
+    """Hard bound on one rank's py-spy dump (s)."""
+    emergency_timeout_s: float = 10.0
+    """How long ranks that registered state get to write their emergency checkpoint (s)."""
+    min_severity_restart: str = "high"
+    """Hardware incidents below this severity (info, low, medium, high, critical) only alert."""
+    in_process: bool = True
+    """Recover inside the running ranks (a re-formed process group, the staged state restored from memory)
+    before restarting on a collective mismatch, where every rank offers it (the integrated trainer on gloo)."""
+    in_process_timeout_s: float = 10.0
+    """How long the ranks get to recover in their own processes before the process restart (s)."""
+
+    def __post_init__(self) -> None:
+        if self.min_severity_restart not in SEVERITIES:
+            raise ValueError(f"--min-severity-restart must be one of {', '.join(SEVERITIES)}; "
+                             f"got {self.min_severity_restart!r}")
+        if not self.in_process_timeout_s > 0:
+            raise ValueError(f"--in-process-timeout-s must be > 0; got {self.in_process_timeout_s}")
+        if not self.emergency_timeout_s > 0:
+            raise ValueError(f"--emergency-timeout-s must be > 0; got {self.emergency_timeout_s}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,9 +115,9 @@ class SidecarConfig:
     """Hardware faults to inject (`--inject xid/ecc`): the sidecar plays the GPU's part."""
 
     def __post_init__(self) -> None:
-        from trainwatch.watchdog.aggregates import check_detail
-
-        check_detail(self.metrics_detail)
+        if self.metrics_detail not in METRICS_DETAILS:
+            raise ValueError(f"--metrics-detail must be one of {', '.join(METRICS_DETAILS)}; "
+                             f"got {self.metrics_detail!r}")
 
     def to_json(self) -> dict:
         return flags.to_json(self)

@@ -36,6 +36,7 @@ from typing import Iterable
 import numpy as np
 
 from trainwatch import kinds, slots
+from trainwatch.watchdog.config import EngineConfig
 from trainwatch.watchdog.detectors.base import Detector, TickView, grow
 from trainwatch.watchdog.incident import Incident
 
@@ -43,15 +44,6 @@ MUTES = kinds.MUTES
 """Incident kinds that an earlier incident explains until training progresses again."""
 _PRIORITY = {kind: i for i, kind in enumerate([*MUTES, *kinds.OPEN_MUTES])}
 _OPEN_MUTED = frozenset().union(*kinds.OPEN_MUTES.values())
-
-
-@dataclass(kw_only=True, slots=True)
-class EngineConfig:
-    """Settings of the detector engine."""
-
-    rearm_s: float = 60.0
-    """An open incident whose condition nobody has reported for this long is
-    resolved; reported again later, it is a new incident (s)."""
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -30,6 +30,7 @@ from trainwatch.procctl import process_state
 from trainwatch.diagnostics.verdict import decide
 from trainwatch.watchdog.checkpointing import describe as describe_checkpoint
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
+from trainwatch.watchdog.config import ActionPolicy
 from trainwatch.watchdog.inprocess import request_in_process
 from trainwatch.usage import printable
 
@@ -38,45 +39,9 @@ log = logging.getLogger("trainwatch.sidecar")
 CAPTURE_KINDS = kinds.CAPTURE_KINDS
 IN_PROCESS_KINDS = kinds.IN_PROCESS_KINDS
 """Incidents that trigger an all-rank stack capture and a verdict."""
-RESTART_KINDS = kinds.RESTART_KINDS - {"crash"}
-"""Incidents the sidecar restarts the job for. Crashes restart through
-torchelastic directly (the agent sees the exit); stragglers and loss
-incidents only alert: restarting would not fix them and would lose work."""
 RESTART_IN_FLIGHT_S = 30.0
 """After a restart request, further incidents are recorded, said, and not acted on this long (s)."""
 _SEVERITY = {"info": 0, "low": 1, "medium": 2, "high": 3, "critical": 4}
-
-
-@dataclass(kw_only=True, slots=True)
-class ActionPolicy:
-    """Which incidents restart the job, and how long captures and checkpoints may take."""
-
-    restart: bool = True
-    """Restart the job on hangs, mismatches and critical GPU faults; off = alert only."""
-    restart_kinds: frozenset = field(default_factory=lambda: RESTART_KINDS)
-    """Incident kinds that lead to an emergency checkpoint and a restart (names)."""
-    capture: bool = True
-    """Capture every rank's stacks on hang and mismatch incidents."""
-    capture_timeout_s: float = 5.0
-    """Hard bound on one rank's py-spy dump (s)."""
-    emergency_timeout_s: float = 10.0
-    """How long ranks that registered state get to write their emergency checkpoint (s)."""
-    min_severity_restart: str = "high"
-    """Hardware incidents below this severity (info, low, medium, high, critical) only alert."""
-    in_process: bool = True
-    """Recover inside the running ranks (a re-formed process group, the staged state restored from memory)
-    before restarting on a collective mismatch, where every rank offers it (the integrated trainer on gloo)."""
-    in_process_timeout_s: float = 10.0
-    """How long the ranks get to recover in their own processes before the process restart (s)."""
-
-    def __post_init__(self) -> None:
-        if self.min_severity_restart not in _SEVERITY:
-            raise ValueError(f"--min-severity-restart must be one of {', '.join(_SEVERITY)}; "
-                             f"got {self.min_severity_restart!r}")
-        if not self.in_process_timeout_s > 0:
-            raise ValueError(f"--in-process-timeout-s must be > 0; got {self.in_process_timeout_s}")
-        if not self.emergency_timeout_s > 0:
-            raise ValueError(f"--emergency-timeout-s must be > 0; got {self.emergency_timeout_s}")
 
 
 class RestartGate:

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from trainwatch import state
-from trainwatch.watchdog.detectors.hang import LEARNT_PHASES, HangDetector
+from trainwatch.watchdog.detectorconfig import LEARNT_PHASES
+from trainwatch.watchdog.detectors.hang import HangDetector
 
 log = logging.getLogger("trainwatch.thresholds")
 

@@ -1,51 +1,36 @@
 """The watchdog's detectors, registered in one place.
 
-Adding a detector: write its module (a `Detector` subclass and its config
-dataclass), add a config field to `DetectorsConfig` and a line to `REGISTRY`.
+Adding a detector: write its module (a `Detector` subclass), its config
+dataclass in `trainwatch.watchdog.detectorconfig` with a field of
+`DetectorsConfig`, and a line to `REGISTRY`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
+from trainwatch.watchdog.detectorconfig import (
+    CollectiveMismatchConfig,
+    DetectorsConfig,
+    ExitConfig,
+    HangConfig,
+    LossHealthConfig,
+    LossTrendConfig,
+    ProcessStateConfig,
+    StepTimeConfig,
+    StragglerConfig,
+    TrainingHealthConfig,
+)
 from trainwatch.watchdog.detectors.base import Detector, RankExit, TickView
-from trainwatch.watchdog.detectors.exits import ExitConfig, ExitDetector
-from trainwatch.watchdog.detectors.hang import HangConfig, HangDetector
-from trainwatch.watchdog.detectors.loss import LossHealthConfig, LossHealthDetector
-from trainwatch.watchdog.detectors.mismatch import CollectiveMismatchConfig, CollectiveMismatchDetector
-from trainwatch.watchdog.detectors.process import ProcessStateConfig, ProcessStateDetector
-from trainwatch.watchdog.detectors.steptime import StepTimeConfig, StepTimeDetector
-from trainwatch.watchdog.detectors.straggler import StragglerConfig, StragglerDetector
-from trainwatch.watchdog.detectors.training import TrainingHealthConfig, TrainingHealthDetector
-from trainwatch.watchdog.detectors.trend import LossTrendConfig, LossTrendDetector
-
-
-@dataclass(kw_only=True, slots=True)
-class DetectorsConfig:
-    """Configuration of every registered detector."""
-
-    exits: ExitConfig = field(default_factory=ExitConfig)
-    """Crash detection from rank exits."""
-    process_state: ProcessStateConfig = field(default_factory=ProcessStateConfig)
-    """Stopped and zombie rank processes, from the kernel's process state."""
-    hang: HangConfig = field(default_factory=HangConfig)
-    """Hang detection from step progress and heartbeats."""
-    collective_mismatch: CollectiveMismatchConfig = field(default_factory=CollectiveMismatchConfig)
-    """Collective desync detection from collective counts and sequence numbers."""
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    """Straggler detection from per-rank compute time."""
-    loss_health: LossHealthConfig = field(default_factory=LossHealthConfig)
-    """NaN, loss spike and grad explosion detection."""
-    training_health: TrainingHealthConfig = field(default_factory=TrainingHealthConfig)
-    """Dead and vanishing gradients, a stuck learning rate, a collapsing fp16 loss scale."""
-    loss_trend: LossTrendConfig = field(default_factory=LossTrendConfig)
-    """A rising loss or a loss plateau, from a robust fit over a long window."""
-    step_time: StepTimeConfig = field(default_factory=StepTimeConfig)
-    """Step time spikes, attributed to a phase and split into culprits and ranks that waited."""
-    disabled: tuple[str, ...] = ()
-    """Detector names to leave out (names as in REGISTRY)."""
-
+from trainwatch.watchdog.detectors.exits import ExitDetector
+from trainwatch.watchdog.detectors.hang import HangDetector
+from trainwatch.watchdog.detectors.loss import LossHealthDetector
+from trainwatch.watchdog.detectors.mismatch import CollectiveMismatchDetector
+from trainwatch.watchdog.detectors.process import ProcessStateDetector
+from trainwatch.watchdog.detectors.steptime import StepTimeDetector
+from trainwatch.watchdog.detectors.straggler import StragglerDetector
+from trainwatch.watchdog.detectors.training import TrainingHealthDetector
+from trainwatch.watchdog.detectors.trend import LossTrendDetector
 
 # name -> factory taking the DetectorsConfig. Order is the order detectors run
 # in a tick: crashes first, so the engine can mute their consequences.

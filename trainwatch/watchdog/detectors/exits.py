@@ -9,20 +9,9 @@ it (the OOM killer's SIGKILL, a preemption's SIGTERM) is the fault itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from trainwatch.watchdog.detectorconfig import ExitConfig
 from trainwatch.watchdog.detectors.base import Detector, RankExit, TickView
 from trainwatch.watchdog.incident import Incident, describe_ranks
-
-
-@dataclass(kw_only=True, slots=True)
-class ExitConfig:
-    """Settings of the exit detector."""
-
-    teardown_signals: tuple[str, ...] = ("SIGTERM", "SIGKILL")
-    """Signals the launcher uses to stop surviving ranks after a failure (signal names)."""
-    collateral_s: float = 30.0
-    """After a failure, exits by a teardown signal within this time are its consequences (s)."""
 
 
 class ExitDetector(Detector):

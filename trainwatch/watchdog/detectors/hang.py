@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 
 from trainwatch import slots
-from trainwatch.diagnostics.culprit import FLOOR_S, HEARTBEAT_STALE_S, K, QUIET_FRACTION, Facts, GroupEntries, blame
+from trainwatch.diagnostics.culprit import QUIET_FRACTION, Facts, GroupEntries, blame
+from trainwatch.watchdog.detectorconfig import HangConfig
 from trainwatch.watchdog.detectors.base import (
     SLOW_CODES,
     WAIT_CODES,
@@ -74,69 +75,6 @@ _CATEGORY_WORDS = {
 }
 _QUIET_FRACTION = QUIET_FRACTION
 _MAX_LISTED = 32
-LEARNT_PHASES = ("data", "forward", "optimizer", "compute", "checkpoint", "eval")
-"""Phases whose length can be learnt: not init (warm-up has its own allowance) and
-not the phases that wait on peers (how long a wait lasts is another rank's doing)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class HangConfig:
-    """Thresholds of the hang detector."""
-
-    floor_s: float = FLOOR_S
-    """Minimum time without progress before a rank counts as hung (s)."""
-    k: float = K
-    """A rank is hung after k x the p99 of its recent step times, when longer than floor_s (factor)."""
-    history: int = 50
-    """Recent step times kept per rank for that p99 (steps)."""
-    warmup_s: float = 120.0
-    """Allowance before a rank's first completed step: compilation, autotuning, first collectives (s)."""
-    slow_phase_s: float = 60.0
-    """Allowance while the rank itself is in an init, checkpoint or eval phase (s)."""
-    busy_s: float = 300.0
-    """Allowance for a rank outside any phase marker that keeps computing (CPU time advancing,
-    heartbeat alive) while no peer waits for it (s)."""
-    active_cpu: float = 0.2
-    """CPU use, in cores, at or above which a rank counts as working (fraction of a core)."""
-    active_io_bytes_s: float = 1e6
-    """I/O rate at or above which a rank counts as working, e.g. writing a checkpoint (bytes/s)."""
-    heartbeat_stale_s: float = HEARTBEAT_STALE_S
-    """Heartbeat age meaning the rank holds the GIL or is stopped; the sampler beats every 0.2 s (s)."""
-    learn_phases: tuple[str, ...] = ("checkpoint", "eval")
-    """Phases whose hang threshold is learnt from how long they last, kept in the job's thresholds.json
-    (phase names among data, forward, optimizer, compute, checkpoint, eval; empty: none). The step
-    phases are opt-in: an epoch's first batch (DataLoader workers starting) is far longer than the
-    others and looks idle, which a learnt data threshold would take for a hang."""
-    phase_factor: float = 3.0
-    """A rank not visibly working is hung after phase_factor x the learnt p99 length of its phase, when
-    longer than floor_s and shorter than its fixed threshold (factor)."""
-    phase_min_samples: int = 10
-    """Times a phase must be seen ending before its learnt threshold replaces the fixed one (count)."""
-    phase_history: int = 64
-    """Recent lengths kept per rank and phase for that p99 (count)."""
-    steady_floor_s: float = 1.5
-    """Least time without progress after which a rank of a steady job (every training step so far short and
-    regular) is hung while its peers wait on it: max(this, k x the job's step p99, 2 x its longest step),
-    in force only under floor_s (s; 0 turns it off)."""
-    steady_min_steps: int = 20
-    """Training steps every rank must complete before the job's steady threshold applies (steps)."""
-    other_work_late_s: float = 1.0
-    """Forward-only progress (a no_grad block, not a batch fetch) this long after a step began, and
-    3 x the rank's median step, makes the step other work (a rollout): kept out of the step history (s)."""
-
-    def __post_init__(self) -> None:
-        phases = self.learn_phases
-        bad = [p for p in phases if not isinstance(p, str) or p not in LEARNT_PHASES] \
-            if isinstance(phases, (tuple, list)) else [phases]
-        if bad:
-            raise ValueError(f"--hang-learn-phases must name phases among {', '.join(LEARNT_PHASES)}; "
-                             f"got {', '.join(map(repr, bad))}")
-        for name, low in (("history", 1), ("phase_history", 1), ("phase_min_samples", 0), ("steady_min_steps", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"--hang-{name.replace('_', '-')} must be an integer >= {low}; got {value!r}")
-        if not isinstance(self.phase_factor, (int, float)) or not self.phase_factor >= 0:
-            raise ValueError(f"--hang-phase-factor must be a number >= 0; got {self.phase_factor!r}")
 
 
 class HangDetector(Detector):

@@ -24,11 +24,10 @@ per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from trainwatch import slots
+from trainwatch.watchdog.detectorconfig import LossHealthConfig
 from trainwatch.watchdog.detectors.base import (
     Detector,
     RankRing,
@@ -43,33 +42,6 @@ from trainwatch.watchdog.incident import Incident, describe_ranks
 _MAX_LISTED = 32
 
 
-@dataclass(kw_only=True, slots=True)
-class LossHealthConfig:
-    """Thresholds of the loss health detector."""
-
-    history: int = 50
-    """Recent finite values per rank forming its baseline (steps)."""
-    min_steps: int = 20
-    """Values a rank needs before spikes and explosions are judged; early steps are honestly wild (steps)."""
-    spike_mad_k: float = 6.0
-    """A spike exceeds the baseline median by more than this many median absolute deviations (MADs)."""
-    spike_factor: float = 2.0
-    """...and is more than this multiple of the baseline median, far above normal 10-20% noise (factor)."""
-    grad_norm_floor: float = 100.0
-    """Grad norms up to this are never an explosion (healthy range is about 0.1-10) (norm)."""
-    grad_norm_factor: float = 10.0
-    """An explosion exceeds this multiple of the rank's median grad norm (factor)."""
-    health: str = "auto"
-    """Which loss rules apply: off, nan-only (NaN/Inf only), full (also spikes, exploding grads and
-    the loss trend), or auto: full for a loss declared with tw.step() or by the integrated trainer,
-    nan-only for an unmodified script's (whatever backward() ran on) (mode)."""
-
-    def __post_init__(self) -> None:
-        if self.health not in LOSS_HEALTH_MODES:
-            raise ValueError(f"--loss-health must be one of {', '.join(LOSS_HEALTH_MODES)}; got {self.health!r}")
-
-
-LOSS_HEALTH_MODES = ("auto", "off", "nan-only", "full")
 LOSS_WATCHED = {
     slots.STEP_REPORTED: "the loss passed to tw.step() (declared)",
     slots.STEP_COUNTED: "the loss backward() ran on (unmodified script)",

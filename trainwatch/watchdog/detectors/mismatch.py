@@ -40,6 +40,7 @@ from typing import Callable
 import numpy as np
 
 from trainwatch import slots
+from trainwatch.watchdog.detectorconfig import CollectiveMismatchConfig
 from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, op_name
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
@@ -59,33 +60,6 @@ _SOURCES = {
     "colls": ("py_collectives", "Python collectives on world-spanning groups"),
     "seq": ("default_pg_seq", "collectives on the default process group"),
 }
-
-
-@dataclass(kw_only=True, slots=True)
-class CollectiveMismatchConfig:
-    """Settings of the collective mismatch detector."""
-
-    live_counts: bool = True
-    """Compare end-of-step collective counts across ranks; turn off when ranks legitimately
-    issue different collectives on the default group (e.g. some pipeline schedules) (flag)."""
-    persist_steps: int = 3
-    """Consecutive compared steps the same ranks must disagree in the same direction (steps)."""
-    stall_s: float = 4.0
-    """Time without a completed step before parked ranks' sequence numbers are compared (s); a
-    steady job's own hang threshold (the hang detector's `threshold_steady`) instead when shorter."""
-    stall_factor: float = 4.0
-    """...and at least this multiple of the rank's last step time, so long steps are not stalls (factor)."""
-    settle_s: float = 1.5
-    """Sequence numbers must be unchanged this long before they are compared (s)."""
-    settle_rounds: int = 3
-    """...and re-read unchanged by this many later sampler rounds of the rank (heartbeats), so a
-    snapshot its sampler took before it moved on (a starved sampler thread) is never compared (rounds)."""
-    round_min_s: float = 0.3
-    """Of a rank that publishes no CPU time: heartbeats closer than this may be one sample seen twice
-    (the multi-node aggregator rebases a node's times with a fresh offset on every summary): they
-    count as one round (s). A rank's CPU time tells a new sample from a re-read one at once."""
-    heartbeat_stale_s: float = 2.0
-    """A rank whose heartbeat is older holds the GIL or is stopped; it is hung, not desynced (s)."""
 
 
 @dataclass(slots=True)

@@ -19,29 +19,15 @@ here (the view of a multi-node aggregator has no process probe).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from trainwatch import slots
+from trainwatch.watchdog.detectorconfig import ProcessStateConfig
 from trainwatch.watchdog.detectors.base import Detector, TickView, phase_name
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
 _DONE = slots.PHASE_CODES["done"]
 _FAULT_STATES = ("stopped", "zombie")
-
-
-@dataclass(kw_only=True, slots=True)
-class ProcessStateConfig:
-    """Settings of the process-state detector."""
-
-    confirm_s: float = 0.3
-    """A rank must be seen stopped or a zombie for this long before it is reported: a
-    worker that ends normally is reaped within the agent's 0.1 s poll (s)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.confirm_s, (int, float)) or not self.confirm_s >= 0:
-            raise ValueError(f"--process-confirm-s must be a number of seconds >= 0; got {self.confirm_s!r}")
 
 
 class ProcessStateDetector(Detector):

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trainwatch import slots
+from trainwatch.watchdog.detectorconfig import StepTimeConfig
 from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, row_median
 from trainwatch.watchdog.detectors.work import OtherWork
 from trainwatch.watchdog.incident import Incident, describe_ranks
@@ -64,36 +65,6 @@ _TEXT = {
     "backward": "backward (the gradient all-reduce: waiting for peers)",
     "collective": "a collective (waiting for peers)",
 }
-
-
-@dataclass(kw_only=True, slots=True)
-class StepTimeConfig:
-    """Thresholds of the step time spike detector."""
-
-    history: int = 32
-    """Recent steps per rank forming its usual step and phase times (samples)."""
-    min_samples: int = 20
-    """Samples a rank needs before its steps are judged; the first steps are honestly slow (samples)."""
-    factor: float = 3.0
-    """A spike takes at least this multiple of the rank's median step time (factor)."""
-    min_excess_s: float = 1.0
-    """...and at least this many seconds more (s)."""
-    hold_s: float = 60.0
-    """A spike episode lasts this long after its last slow step, so recurring slow steps are one incident (s)."""
-    stall_grace_s: float = 3.0
-    """Spikes of ranks that only waited are held back this long for a culprit or an honest pause to explain them (s)."""
-    stall_alerts: bool = True
-    """Report spikes where every slow rank only waited (a communication stall or a slow rank elsewhere)."""
-    node_grace_s: float = 1.0
-    """Culprits are held this long so every rank of their node is judged: a node whose ranks all
-    slowed at once is one node-level observation, not a rank alert (s)."""
-    stall_min_excess_s: float = 5.0
-    """...when they waited at least this many seconds more than usual: shorter waits with no culprit are
-    routine on a busy host (s)."""
-
-    def __post_init__(self) -> None:
-        if self.history < 2:
-            raise ValueError(f"--step-time-history must be an integer >= 2; got {self.history}")
 
 
 @dataclass(slots=True)

@@ -67,10 +67,9 @@ margin do not depend on what the rank spends its time on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from trainwatch.watchdog.detectorconfig import StragglerConfig
 from trainwatch.watchdog.detectors.arrival import ArrivalEvaluator
 from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, row_median
 from trainwatch.watchdog.detectors.peers import JITTER_SAMPLE as _JITTER_SAMPLE
@@ -84,54 +83,6 @@ __all__ = ["StepTable", "StragglerConfig", "StragglerDetector", "peer_median"]
 # identical compute times (MAD 0) would otherwise make any tiny difference
 # infinitely significant; 2% is about the jitter of a step timer on a quiet node.
 _MAD_FLOOR = 0.02
-
-
-@dataclass(kw_only=True, slots=True)
-class StragglerConfig:
-    """Thresholds of the straggler detector."""
-
-    window: int = 10
-    """Recent steps over which each rank's compute is compared with its peers' at the same steps (steps)."""
-    min_steps: int = 5
-    """Steps a rank needs in its window, each with a peer's compute at the same step, before it is compared (steps)."""
-    ratio: float = 1.5
-    """Minimum slowdown: the rank's compute / its peers' median at the same step, median over the window (factor)."""
-    z: float = 3.0
-    """Minimum median excess over the peers (compute time, or lateness at collectives), in robust
-    standard deviations of the jitter (the ranks' median MAD of their excess over the window)
-    (sigmas): under CPU contention the scheduler slows ranks by turns, the jitter grows and so
-    does the margin."""
-    persist: int = 5
-    """Consecutive evaluations (one per new group step; for arrival order, one per newly compared
-    collective) a rank must be slow before it is reported."""
-    persist_s: float = 2.0
-    """Minimum wall-clock time the `persist` slow evaluations must span (s): on fast steps they
-    take a fraction of a second, shorter than a scheduler's imbalance between ranks lasts."""
-    min_excess_s: float = 0.05
-    """Minimum absolute extra compute per step over the peers' median (s): on small,
-    fast steps OS scheduling noise alone reaches 1.5x, and costs nothing."""
-    arrivals: bool = True
-    """Use collective arrival order (the flight recorder's per-collective times) where ranks publish
-    it, before compute time; off: compute time only (flag)."""
-    arrival_window: int = 10
-    """Recent collectives of the default group, each reached by at least two ranks, over which
-    each rank's arrival is compared with its peers' at the same collective (collectives)."""
-    arrival_min_collectives: int = 5
-    """Collectives a rank needs in that window, each with a peer's arrival, before it is judged (collectives)."""
-    arrival_min_lateness_s: float = 0.05
-    """Minimum median lateness: the rank's arrival minus its peers' median arrival at the same
-    collective, median over the window (s)."""
-    arrival_last_fraction: float = 0.6
-    """Minimum fraction of the rank's compared collectives at which it arrived last of all (0-1)."""
-
-    def __post_init__(self) -> None:
-        for name in ("window", "min_steps", "arrival_window", "arrival_min_collectives"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"--straggler-{name.replace('_', '-')} must be an integer >= 1; got {value!r}")
-        if not isinstance(self.arrival_last_fraction, (int, float)) or not 0 <= self.arrival_last_fraction <= 1:
-            raise ValueError(f"--straggler-arrival-last-fraction must be a number from 0 to 1; "
-                             f"got {self.arrival_last_fraction!r}")
 
 
 class StragglerDetector(Detector):

@@ -28,11 +28,11 @@ kind, so the engine makes one incident per episode however many ranks join it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
+from trainwatch.watchdog.detectorconfig import TrainingHealthConfig
 from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow
 from trainwatch.watchdog.detectors.loss import _worst
 from trainwatch.watchdog.incident import Incident, describe_ranks
@@ -40,44 +40,6 @@ from trainwatch.watchdog.incident import Incident, describe_ranks
 _MAX_LISTED = 32
 _SCALE_CHANGES = 16
 """Loss-scale changes kept per rank (a scale changes only on overflow or growth)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class TrainingHealthConfig:
-    """Thresholds of the training health detector (gradients, learning rate, loss scale)."""
-
-    dead_grad_steps: int = 5
-    """Steps in a row with a gradient norm of exactly 0 (or every gradient element zero) that make dead gradients (steps)."""
-    vanishing_frac: float = 0.5
-    """Fraction of gradient elements exactly zero above which gradients are vanishing; healthy is under 0.05 (fraction)."""
-    vanishing_steps: int = 50
-    """...held for this many steps in a row (steps)."""
-    lr_grace_steps: int = 10
-    """Steps at the start of training where a learning rate of 0 is an honest warmup start (steps)."""
-    lr_zero_steps: int = 20
-    """A learning rate of exactly 0 for this many steps past the grace steps is stuck (steps)."""
-    lr_max_ratio: float = 10.0
-    """After a warmup, a learning rate exactly at its peak for more than this multiple of the warmup's length
-    is stuck at its maximum (low severity: constant and warmup-stable-decay schedules look the same); 0 turns
-    this check off (factor)."""
-    lr_max_min_steps: int = 1000
-    """...and for at least this many steps (steps)."""
-    scale_halvings: int = 6
-    """A loss scale that fell by 2^this within scale_window_steps and stayed down has collapsed (halvings)."""
-    scale_window_steps: int = 200
-    """Steps over which the loss scale's fall is measured (steps)."""
-    scale_grace_steps: int = 100
-    """First steps of a process in which GradScaler calibrates down from its initial scale; they set no
-    reference for a fall (steps)."""
-    scale_floor: float = 1.0
-    """A loss scale below this, after being at or above it, has collapsed whatever the window (scale)."""
-
-    def __post_init__(self) -> None:
-        for name in ("dead_grad_steps", "vanishing_steps", "lr_zero_steps", "scale_halvings", "scale_window_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--health-{name.replace('_', '-')} must be an integer >= 1; got {getattr(self, name)}")
-        if not 0.0 < self.vanishing_frac < 1.0:
-            raise ValueError(f"--health-vanishing-frac must be between 0 and 1; got {self.vanishing_frac}")
 
 
 def _runs(since: np.ndarray, r: np.ndarray, hit: np.ndarray, step: np.ndarray) -> np.ndarray:

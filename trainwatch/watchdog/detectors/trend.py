@@ -26,44 +26,15 @@ turn: a trend is a slow signal).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
+from trainwatch.watchdog.detectorconfig import LossTrendConfig
 from trainwatch.watchdog.detectors.base import Detector, RankRing, StepTracker, TickView, grow, row_median
 from trainwatch.watchdog.detectors.loss import judged, loss_watched
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
 _MAX_LISTED = 32
-
-
-@dataclass(kw_only=True, slots=True)
-class LossTrendConfig:
-    """Thresholds of the loss trend detector."""
-
-    window_steps: int = 500
-    """Steps a rising trend is measured over; the first judgement needs most of one window (steps)."""
-    points: int = 16
-    """Buckets a window is summarised in, each the mean loss of window/points steps (points per rank)."""
-    rise_frac: float = 0.2
-    """A fitted rise of at least this fraction of the loss's level over the window is a rising loss (fraction)."""
-    min_tau: float = 0.4
-    """...when the points agree: Kendall's tau of the window at least this (0-1)."""
-    plateau_window_steps: int = 2000
-    """Steps without improvement that make a plateau; 0 turns plateau detection off (steps)."""
-    plateau_frac: float = 0.005
-    """A plateau improves the loss by less than this fraction of its level over its window (fraction)."""
-    max_ranks_per_tick: int = 64
-    """Most ranks whose trend is fitted in one tick; the others wait for the next tick (ranks)."""
-
-    def __post_init__(self) -> None:
-        for name in ("window_steps", "points", "max_ranks_per_tick"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--trend-{name.replace('_', '-')} must be an integer >= 1; got {getattr(self, name)}")
-        if self.points < 4:
-            raise ValueError(f"--trend-points must be >= 4; got {self.points}")
-        if not 0.0 <= self.min_tau <= 1.0:
-            raise ValueError(f"--trend-min-tau must be between 0 and 1; got {self.min_tau}")
 
 
 class _Series:

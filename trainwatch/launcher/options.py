@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trainwatch import env, flags, jobstore, state
 from trainwatch.inject import spec as inject
-from trainwatch.watchdog import configfile
+from trainwatch.launcher import configfile
 from trainwatch.watchdog.config import FLAG_ALIASES, SidecarConfig, launch_flags
 
 DEFAULT_MODULE = "trainwatch.trainer"
@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Read before anything heavy is imported (trainwatch.watchdog.prescan); kept importable from here.
-from trainwatch.watchdog.prescan import (_options, config_path, prescan_job, prescan_node_scope,  # noqa: E402,F401
+# Read before anything heavy is imported (trainwatch.launcher.prescan); kept importable from here.
+from trainwatch.launcher.prescan import (_options, config_path, prescan_job, prescan_node_scope,  # noqa: E402,F401
                                          prescan_option, prescan_print_config)
 
 

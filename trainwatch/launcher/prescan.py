@@ -11,11 +11,17 @@ import os
 import socket
 
 from trainwatch import env, liveness, state
-from trainwatch.watchdog import configfile
+from trainwatch.launcher import configfile
 
-# torchrun and trainwatch options that take no value (every other option does).
-_FLAGS = frozenset({"--standalone", "--no-warm-start", "--strict", "--insecure-store", "--print-config", "--no-python",
-                    "--no_python", "--run-path", "--run_path", "-m", "--module", "-h", "--help"})
+# The options of `trainwatch launch` that take no value; every other option takes one. The
+# parser itself is not used here (torch.distributed.run's parser imports torch, a second or
+# more before the launch is announced): tests/test_prescan.py checks these against it.
+TORCHRUN_FLAGS = frozenset({"-h", "--help", "--standalone", "--no-python", "--no_python", "--run-path", "--run_path",
+                            "-m", "--module", "--virtual-local-rank", "--virtual_local_rank"})
+"""torch.distributed.run's options that take no value (torch 2.13)."""
+TRAINWATCH_FLAGS = frozenset({"--print-config", "--insecure-store", "--no-warm-start", "--strict"})
+"""trainwatch's own launch options that take no value; the watchdog's boolean settings are
+flags spelled --no-NAME (flags.config_flags: each turns on by default)."""
 
 
 def prescan_job(argv: list[str]) -> str | None:
@@ -61,18 +67,27 @@ def prescan_option(argv: list[str], option: str) -> str | None:
     return None
 
 
+def takes_value(option: str) -> bool:
+    """Whether `trainwatch launch` reads the token after this option as its value."""
+    return not (option in TORCHRUN_FLAGS or option in TRAINWATCH_FLAGS or option.startswith("--no-"))
+
+
 def _options(argv: list[str]):
     """(option, value or None) before the script or module; what follows it is its own."""
     i = 0
     while i < len(argv):
         token = argv[i]
+        if token == "--":  # the script comes next
+            return
         if token.startswith("-") and "=" in token:
             yield tuple(token.split("=", 1))
-        elif not token.startswith("-") or token in ("-m", "--module"):
+        elif not token.startswith("-"):  # the script or module (-m is a flag: options may follow it)
             yield token, None
             return
-        elif token in _FLAGS or token.startswith("--no-"):
+        elif not takes_value(token):
             yield token, None
+        elif not token.startswith("--") and len(token) > 2:  # a short option and its value in one: -r3
+            yield token[:2], token[2:]
         else:
             yield token, argv[i + 1] if i + 1 < len(argv) else None
             i += 1

@@ -7,8 +7,8 @@ job.
 from __future__ import annotations
 
 from trainwatch import env, netbind, procctl, state
-from trainwatch.watchdog import prescan
-from trainwatch.watchdog.options import LaunchError
+from trainwatch.launcher import prescan
+from trainwatch.launcher.options import LaunchError
 
 
 class StartUp:

@@ -75,7 +75,7 @@ def _text(value: Any) -> str | None:
 def check_launch(args: argparse.Namespace) -> None:
     """Run the checks for the launch `args` describe; print its warnings; under
     --strict raise LaunchError when one fails."""
-    from trainwatch.watchdog.options import LaunchError  # numpy and the detectors: not for `trainwatch doctor`
+    from trainwatch.launcher.options import LaunchError  # numpy and the detectors: not for `trainwatch doctor`
 
     gpus, reason = read_gpus()
     ckpt = os.environ.get(env.CKPT_DIR)
@@ -101,7 +101,7 @@ def check_master_port(args: argparse.Namespace) -> None:
     """A --master-port something on this machine already listens on fails every
     rank (after torch's timeout): say it now, in one line."""
     from trainwatch.views.hostchecks import probe_port, resolve_with_timeout
-    from trainwatch.watchdog.options import LaunchError
+    from trainwatch.launcher.options import LaunchError
 
     try:
         addresses = resolve_with_timeout(args.master_addr or "127.0.0.1")

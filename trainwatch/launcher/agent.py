@@ -24,9 +24,9 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from trainwatch import codec, env, records, slots, state
 from trainwatch.records import JobStatus
-from trainwatch.watchdog import failures, warmstart
+from trainwatch.launcher import failures, warmstart
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
-from trainwatch.watchdog.detectors.base import RankExit
+from trainwatch.watchdog.rankexit import RankExit
 from trainwatch.usage import printable
 
 log = logging.getLogger("trainwatch")
@@ -259,7 +259,7 @@ class TrainwatchAgent(LocalElasticAgent):
         return result
 
     def _stop_on_deterministic_error(self) -> None:
-        """A rank's exception that a restart would replay (see watchdog.failures):
+        """A rank's exception that a restart would replay (see launcher.failures):
         no restart, one line naming it."""
         found = failures.deterministic(failures.read_failures(self.dir.errors_file, self.run_id), self.restart_count)
         if found is None:
