@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 
-from trainwatch import env, liveness, netbind, slots, state
+from trainwatch import env, kinds, liveness, netbind, slots, state
 from trainwatch.records import JobStatus
 from trainwatch.inject import spec as inject
 from trainwatch.usage import printable
@@ -359,8 +359,9 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
                         f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}); {why}"), file=sys.stderr,
               flush=True)
         if host_lost:  # this node survived the one that held the store: its incident, in its own records
-            job_dir.append_event({"kind": "node_lost", "id": f"{node}-{run_id}-rdzv-host", "severity": "critical",
-                                  "runbook": "node-lost", "culprit_ranks": [], "victims": [], "node": node,
+            lost = kinds.KINDS["node_lost"]
+            job_dir.append_event({"kind": lost.name, "id": f"{node}-{run_id}-rdzv-host", "severity": lost.severity,
+                                  "runbook": lost.runbook, "culprit_ranks": [], "victims": [], "node": node,
                                   "summary": f"node_lost: {why}", "time": time.time(),
                                   "evidence": {"node": "rendezvous host", "endpoint": launch_config.rdzv_endpoint}})
             job_dir.append_event({"kind": "resolved", "incident": f"{node}-{run_id}-rdzv-host", "count": 1,
