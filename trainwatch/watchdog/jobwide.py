@@ -51,8 +51,9 @@ JOB_INCIDENT_KINDS = kinds.JOB_SCOPE_KINDS
 log = logging.getLogger("trainwatch.jobwide")
 
 SUMMARY_VERSION = 1
-JOB_SCOPE = kinds.JOB_SCOPE_KINDS
-"""Detectors (named by the kind they raise) that need every rank of the job: run by the aggregator only."""
+JOB_SCOPE = tuple(k for k in kinds.JOB_SCOPE_KINDS if k != "node_lost")
+"""Detectors (named by the kind they raise) that need every rank of the job: run by the aggregator only
+(node_lost is the aggregator's own finding, not a detector's)."""
 MONO_FIELDS = tuple(n for n in slots.slot_dtype().names if n.endswith("_mono"))
 PUBLISH_S = 0.5
 """How often a node publishes its summary (and on every incident)."""
