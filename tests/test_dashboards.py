@@ -17,7 +17,8 @@ import requests
 import yaml
 from grafana_foundation_sdk.models import dashboard as dm
 
-from trainwatch import dashboards
+from trainwatch import dashboards, kinds
+from trainwatch.dashboards import alerts, alerttests
 from trainwatch.dashboards.definitions import DASHBOARDS
 from trainwatch.diagnostics.kernel_log import normalize_pci
 from trainwatch.inject.fake_nvml import FakeNvml
@@ -65,7 +66,10 @@ def alert_rules() -> list[dict]:
 
 
 def test_committed_files_are_what_the_code_generates():
-    for name, text in dashboards.rendered().items():
+    """Dashboards from their definitions, alert rules and their promtool tests from kinds.py."""
+    rendered = dashboards.rendered()
+    assert {"alert-rules.yml", "alert-rules.test.yml"} <= set(rendered)
+    for name, text in rendered.items():
         assert (OUT / name).read_text() == text, f"{name} is stale; run: trainwatch dashboards --out dashboards/"
 
 
@@ -90,6 +94,27 @@ def test_cli_writes_and_checks(tmp_path):
     not_dir.write_text("")
     bad = subprocess.run([tw, "dashboards", "--out", str(not_dir)], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "give a directory" in bad.stderr
+
+
+def test_cli_points_runbook_urls_at_another_base(tmp_path):
+    tw = str(BIN / "trainwatch")
+    base = "https://wiki.example.com/ml/runbooks"
+    wrote = subprocess.run([tw, "dashboards", "--out", str(tmp_path), "--runbook-base-url", base],
+                           capture_output=True, text=True)
+    assert wrote.returncode == 0, wrote.stderr
+    rules = yaml.safe_load((tmp_path / "alert-rules.yml").read_text())["groups"][0]["rules"]
+    hung = next(r for r in rules if r["alert"] == "TrainwatchJobHung")
+    assert hung["annotations"]["runbook_url"] == base + "/hang.md"
+    assert all(r["annotations"]["runbook_url"].startswith(base + "/") for r in rules)
+    assert base + "/hang.md" in (tmp_path / "alert-rules.test.yml").read_text()
+    # the committed files carry the default base: --check against them with another base says stale
+    other = subprocess.run([tw, "dashboards", "--out", str(OUT), "--check", "--runbook-base-url", base],
+                           capture_output=True, text=True)
+    assert other.returncode == 1 and "alert-rules.yml" in other.stderr
+    for bad_url in ("wiki/runbooks", "https://x/{{ $labels.kind }}", "https://x/a b"):
+        bad = subprocess.run([tw, "dashboards", "--out", str(tmp_path), "--runbook-base-url", bad_url],
+                             capture_output=True, text=True)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--runbook-base-url" in bad.stderr, bad.stderr
 
 
 # ---- the JSON, read back --------------------------------------------------------------
@@ -270,7 +295,7 @@ def test_alerts_cover_the_failure_modes_and_name_their_runbooks():
             ids = [k.replace("_", "-") for k in kinds]
         else:
             ids = [ann["runbook"]]
-            assert ann["runbook_url"] == f"runbooks/{ann['runbook']}.md", rule["alert"]
+            assert ann["runbook_url"] == f"{alerts.DEFAULT_RUNBOOK_BASE_URL}{ann['runbook']}.md", rule["alert"]
         for rid in ids:
             assert get_runbook(rid).startswith("# "), (rule["alert"], rid)
             assert (ROOT / "runbooks" / f"{rid}.md").is_file(), rid
@@ -286,18 +311,79 @@ def test_every_alert_has_a_firing_unit_test():
     assert REQUIRED_ALERTS - {"TrainwatchGpuEccUncorrected", "TrainwatchRestartLoop"} <= quiet  # and a not-yet case
 
 
-def test_every_incident_kind_pages_while_open():
-    """Each kind of kinds.KINDS is paged by a rule on trainwatch_incident_open
-    (GPU faults page on their own per-GPU counters, which name the Xid)."""
-    from trainwatch import kinds
-
-    paged = set()
+def test_every_incident_kind_alerts_as_kinds_py_declares():
+    """Each kind of kinds.KINDS is alerted by one rule on trainwatch_incident_open
+    (or by the rule of its own series it names: GPU faults page on their per-GPU
+    counters, which name the Xid), with the severity label of its page or ticket;
+    every fault that restarts the job pages, a crash as a hang."""
+    paged: dict[str, list[str]] = {}
     for rule in alert_rules():
         if "trainwatch_incident_open" not in rule["expr"]:
             continue
         for m in re.finditer(r'kind=~?"([^"]+)"', rule["expr"]):
-            paged.update(m.group(1).split("|"))
-    assert set(kinds.KINDS) - {"xid", "ecc"} <= paged, set(kinds.KINDS) - {"xid", "ecc"} - paged
+            for kind in m.group(1).split("|"):
+                paged.setdefault(kind, []).append(rule["labels"]["severity"])
+    severity = {r["alert"]: r["labels"]["severity"] for r in alert_rules()}
+    assert set(paged) <= set(kinds.KINDS), set(paged) - set(kinds.KINDS)
+    for name, spec in kinds.KINDS.items():
+        if spec.alert_rule:
+            assert name not in paged and severity[spec.alert_rule] == spec.alert.value, name
+        else:
+            assert paged.get(name) == [spec.alert.value], (name, paged.get(name))
+        if spec.response is kinds.Response.RESTART:
+            assert spec.alert is kinds.Alert.PAGE, name
+    assert paged["crash"] == paged["hang"] == ["critical"]
+
+
+def test_the_test_file_reads_back_as_generated():
+    """The hand-rolled YAML of alert-rules.test.yml says exactly what the generator meant."""
+    assert yaml.safe_load(alerttests.render_tests()) == alerttests.document()
+    rules = yaml.safe_load(alerts.render_rules())["groups"][0]["rules"]
+    assert [r["alert"] for r in rules] == [r.alert for r in alerts.rules()]
+    for got, want in zip(rules, alerts.rules()):
+        assert got["expr"].strip() == want.expr and got.get("for", "") == want.for_, want.alert
+        assert got["labels"] == {"severity": want.severity}
+        assert got["annotations"]["summary"] == want.summary and got["annotations"]["runbook"] == want.runbook
+
+
+def test_for_durations_are_written_as_one_number_and_unit():
+    """Other tools rewrite `for:` with a regex to run a faster copy of the rules."""
+    text = (OUT / "alert-rules.yml").read_text()
+    fors = re.findall(r"^ +for: (.*)$", text, flags=re.MULTILINE)
+    assert fors and all(re.fullmatch(r"\d+[smh]", f) for f in fors), fors
+
+
+def _new_kind(monkeypatch, spec):
+    monkeypatch.setattr(kinds, "KINDS", {**kinds.KINDS, spec.name: spec})
+
+
+@needs_promtool
+def test_a_new_kind_is_alerted_and_tested_without_touching_the_rules(monkeypatch, tmp_path):
+    """Adding a kind to kinds.py is enough: the shared rule of its urgency pages on it and the
+    promtool tests open one and expect it, with its severity and runbook."""
+    _new_kind(monkeypatch, kinds.KindSpec("disk_full", "high", "disk-full", kinds.Response.ALERT,
+                                          kinds.Resolution.ABSENCE, kinds.Alert.PAGE))
+    files = dashboards.rendered()
+    incident = next(r for r in alerts.rules() if r.alert == "TrainwatchIncident")
+    assert alerts.kinds_of(incident) == ["crash", "disk_full"] and incident.severity == "critical"
+    assert 'kind="disk_full",severity="high"' in files["alert-rules.test.yml"]
+    assert "runbooks/disk-full.md" in files["alert-rules.test.yml"]
+    for name in ("alert-rules.yml", "alert-rules.test.yml"):
+        (tmp_path / name).write_text(files[name])
+    r = subprocess.run([PROMTOOL, "test", "rules", str(tmp_path / "alert-rules.test.yml")], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_generator_names_what_kinds_py_and_the_rules_disagree_on(monkeypatch):
+    _new_kind(monkeypatch, kinds.KindSpec("fan_stopped", "high", "gpu-fan", kinds.Response.ALERT,
+                                          kinds.Resolution.ABSENCE, kinds.Alert.TICKET))
+    with pytest.raises(ValueError, match="fan_stopped.*INCIDENT_RULES"):
+        alerts.rules()
+    _new_kind(monkeypatch, kinds.KindSpec("fan_stopped", "high", "gpu-fan", kinds.Response.ALERT,
+                                          kinds.Resolution.ABSENCE, kinds.Alert.TICKET, alert_rule="TrainwatchFan"))
+    with pytest.raises(ValueError, match="TrainwatchFan.*SIGNAL_RULES"):
+        alerts.rules()
 
 
 def _born_above_zero(values: str) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trainwatch import kinds
 from trainwatch.diagnostics import stack_groups, utilisation, verdict, xid
 from trainwatch.diagnostics.catalog import PATTERNS
 from trainwatch.diagnostics.findings import ERROR_CATEGORIES
@@ -26,7 +27,7 @@ SHIPPED = sorted(p.name[:-3] for p in resources.files("trainwatch").joinpath("ru
 REFERENCED = {p.runbook for p in PATTERNS} | set(PRODUCT_RUNBOOKS)
 REPO = Path(__file__).resolve().parents[1]
 
-# `runbook="crash"` and `runbook="gpu-ecc" if kind == "ecc" else "gpu-xid"` in detector sources.
+# A detector's own runbook for one incident (`runbook="stopped"`); the rest come from kinds.KINDS.
 _RUNBOOK_ARG = re.compile(r'\brunbook="([^"]+)"(?:\s+if\s+[^\n]*?\s+else\s+"([^"]+)")?')
 # The alert template that turns an incident kind into its runbook id (loss_spike -> loss-spike).
 _KIND_TEMPLATE = '{{ reReplaceAll "_" "-" $labels.kind }}'
@@ -64,6 +65,7 @@ def _runbook_ids_named_anywhere() -> list[tuple[str, str]]:
               (stack_groups.CRASH_RUNBOOK, "stack_groups.CRASH_RUNBOOK")]
     named += [(utilisation.RUNBOOK, "utilisation.RUNBOOK")]
     named += [(rid, "runbooks.PRODUCT_RUNBOOKS") for rid in PRODUCT_RUNBOOKS]
+    named += [(k.runbook, f"kinds.KINDS[{k.name!r}]") for k in kinds.KINDS.values()]
     sources = [*sorted((REPO / "trainwatch" / "watchdog" / "detectors").glob("*.py")),
                REPO / "trainwatch" / "watchdog" / "hardware.py"]
     for source in sources:

@@ -14,12 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainwatch import liveness, state
+from trainwatch import kinds, liveness, state
 from trainwatch.diagnostics import utilisation
 from trainwatch.diagnostics.utilisation import gpu_utilisation, not_judged, samples_from_telemetry
 from trainwatch.inject.fake_nvml import FakeNvml
 from trainwatch.views import diagnose
 from trainwatch.watchdog.hardware import HardwareMonitor
+from trainwatch.watchdog.incident import Incident
 
 GIB = 1024**3
 
@@ -189,6 +190,30 @@ def test_diagnose_reports_the_section(home, fake_gpus):
     assert "gpu utilisation: low (mean 18% over 2 GPUs) — data_loading" in text
     assert "trainwatch runbook gpu-utilisation" in text
     json.dumps(report, allow_nan=False)
+
+
+@pytest.mark.parametrize("kind", ["dead_grad", "loss_spike", "step_time_spike"])
+def test_diagnose_keeps_the_section_while_a_training_health_incident_is_open(home, fake_gpus, kind):
+    """A job that trains on with an open training-health incident is stepping: its idle GPUs still say
+    something about throughput (every kind that leaves the job running, as kinds.py declares)."""
+    assert kind in kinds.ALERT_ONLY_KINDS
+    job_dir = state.JobDir("health")
+    lock = liveness.acquire(job_dir)
+    try:
+        job_dir.update_job(status="running", start_time=time.time() - 600, workers_started_time=time.time() - 600,
+                           nproc_per_node=2, node="n")
+        ranks = [row(r, data=0.5 if r == 1 else 0.05, pid=os.getpid(), last_progress_s=0.1, heartbeat_age_s=0.1)
+                 for r in range(2)]
+        state.write_json_atomic(job_dir.telemetry_file, {**fake_gpus([15, 20]), "ranks": ranks})
+        job_dir.append_event(Incident(kind=kind, culprit_ranks=[1], summary=f"{kind} on rank 1").to_json()
+                             | {"id": f"{kind}-1"})
+        report = diagnose.collect("health", capture=False)
+    finally:
+        lock.release()
+    assert report["verdict"]["category"] == kind, report["verdict"]
+    g = report["gpu_utilisation"]
+    assert g["status"] == "low" and g["finding"] == "data_loading", g
+    assert "not stepping" not in diagnose.render(report)
 
 
 def test_diagnose_of_an_ended_job_keeps_its_keys(home, capsys, fake_gpus):

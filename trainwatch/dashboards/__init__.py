@@ -1,25 +1,31 @@
 """The monitoring bundle: Grafana dashboards and provisioning generated from
-code, and Prometheus' configs, alert rules and their promtool tests.
+code, Prometheus' alert rules and their promtool tests generated from the
+incident kinds (`alerts.py`, `alerttests.py`), and Prometheus' configs.
 
     trainwatch dashboards --out DIR          # (re)write what changed
     trainwatch dashboards --out DIR --check  # exit 1 and a diff if stale
+    trainwatch dashboards --out DIR --runbook-base-url https://wiki.example/runbooks/
 
-The Prometheus files are hand-written YAML kept as package data (`bundle/`),
-so a pip install writes the same bundle as a checkout. The repository's
-dashboards/ is this output, committed for readers without Python; a test
-fails when it is stale. promtool checks the bundle in the tests.
+The Prometheus configs are hand-written YAML kept as package data
+(`bundle/`), so a pip install writes the same bundle as a checkout. The
+repository's dashboards/ is this output (with the default runbook base URL),
+committed for readers without Python; a test fails when it is stale. promtool
+checks the bundle in the tests.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import re
 import sys
 from importlib import resources
 from pathlib import Path
 
 from trainwatch import state
 from trainwatch.usage import Parser
+from trainwatch.dashboards.alerts import DEFAULT_RUNBOOK_BASE_URL, render_rules
+from trainwatch.dashboards.alerttests import render_tests
 from trainwatch.dashboards.panels import DATASOURCE_UID
 
 PROVIDER_PATH = "${TRAINWATCH_DASHBOARDS}"
@@ -68,19 +74,21 @@ def render(dash) -> str:
     return json.dumps(dash, cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
 
 
-def rendered() -> dict[str, str]:
-    """Relative path -> text of every generated file."""
+def rendered(runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict[str, str]:
+    """Relative path -> text of every generated file; the alerts' `runbook_url`s under `runbook_base_url`."""
     from trainwatch.dashboards.definitions import DASHBOARDS
 
     files = {name: render(make()) for name, make in DASHBOARDS.items()}
     files["provisioning/datasources/trainwatch.yaml"] = DATASOURCE_YAML
     files["provisioning/dashboards/trainwatch.yaml"] = PROVIDER_YAML
     files.update(bundle_files())
-    return files
+    files["alert-rules.yml"] = render_rules(runbook_base_url)
+    files["alert-rules.test.yml"] = render_tests(runbook_base_url)
+    return dict(sorted(files.items()))
 
 
 def bundle_files() -> dict[str, str]:
-    """The hand-written Prometheus files (package data): name -> text."""
+    """The hand-written Prometheus configs (package data): name -> text."""
     folder = resources.files("trainwatch.dashboards") / "bundle"
     return {f.name: f.read_text(encoding="utf-8") for f in sorted(folder.iterdir(), key=lambda f: f.name)
             if f.name.endswith((".yml", ".yaml"))}
@@ -93,19 +101,29 @@ def _write(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(
-        prog="trainwatch dashboards", usage_hint="usage: trainwatch dashboards [--out DIR] [--check]",
+        prog="trainwatch dashboards",
+        usage_hint="usage: trainwatch dashboards [--out DIR] [--check] [--runbook-base-url URL]",
         description="Write trainwatch's monitoring bundle: Grafana dashboards and provisioning, "
         "Prometheus configs (one machine, Slurm file_sd, Kubernetes), alert rules and their promtool tests.",
     )
     p.add_argument("--out", type=Path, default=Path("dashboards"), help="directory to write to (default: ./dashboards)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 with a diff if the files differ")
+    p.add_argument("--runbook-base-url", default=DEFAULT_RUNBOOK_BASE_URL, metavar="URL",
+                   help="where the alerts' runbook_url points: URL + '<runbook id>.md' "
+                   f"(default: {DEFAULT_RUNBOOK_BASE_URL})")
     args = p.parse_args(argv)
     out: Path = args.out
     if out.exists() and not out.is_dir():
         print(f"error: --out {out} is a file; give a directory", file=sys.stderr)
         return 2
+    base = args.runbook_base_url
+    if not re.fullmatch(r"https?://[^\s'\"{}]+", base):
+        print(f"error: --runbook-base-url must be an http(s) URL without quotes, braces or spaces; got {base!r}",
+              file=sys.stderr)
+        return 2
+    base = base if base.endswith("/") else base + "/"
     stale = []
-    for name, text in rendered().items():
+    for name, text in rendered(base).items():
         path = out / name
         old = path.read_text() if path.is_file() else ""
         if old == text:

@@ -11,6 +11,8 @@ ERROR_CATEGORIES, so one table says how bad each error is and what to read.
 
 from __future__ import annotations
 
+from trainwatch import kinds
+
 # Keys every finding carries, in this order (the explain contract).
 FINDING_KEYS = (
     "kind", "category", "op", "xid", "pci", "seq", "timeout_ms",
@@ -21,14 +23,19 @@ FINDING_KEYS = (
 # (xid.SEVERITY_ORDER): "high" = the whole job stalls or aborts, "medium" =
 # one process failed and the GPU is fine, "critical" = GPU memory cannot be
 # trusted and the node needs attention before a restart helps.
+def _as_kind(kind: str) -> tuple[str, str]:
+    """A category that is an incident kind: the kind's own severity and runbook (kinds.py)."""
+    return kinds.KINDS[kind].severity, kinds.KINDS[kind].runbook
+
+
 ERROR_CATEGORIES: dict[str, tuple[str, str]] = {
     "collective_timeout": ("high", "collective-timeout"),
-    "collective_mismatch": ("high", "collective-mismatch"),
+    "collective_mismatch": _as_kind("collective_mismatch"),
     "heartbeat_timeout": ("high", "heartbeat-timeout"),
     "nccl_error": ("high", "nccl-error"),
     "cuda_error": ("medium", "cuda-error"),
     "illegal_memory_access": ("medium", "illegal-memory-access"),
-    "ecc": ("critical", "gpu-ecc"),
+    "ecc": _as_kind("ecc"),
     "oom": ("medium", "oom"),
     "child_failed": ("medium", "child-failed"),
     "dataloader_worker_killed": ("medium", "dataloader-worker-killed"),
@@ -36,8 +43,8 @@ ERROR_CATEGORIES: dict[str, tuple[str, str]] = {
     "dataloader": ("medium", "dataloader-stall"),
     # Loss health read from framework log lines (loss_health.py); the same incident
     # kinds and runbooks as the live detectors. A collapse below scale 1 is "high".
-    "loss_nan": ("critical", "loss-nan"),
-    "loss_scale_collapse": ("medium", "loss-scale-collapse"),
+    "loss_nan": _as_kind("loss_nan"),
+    "loss_scale_collapse": _as_kind("loss_scale_collapse"),
     # Start-up waits a log states: a rank waiting at the store barrier for peers that have not
     # arrived, a build of a C++/CUDA extension blocked by another's (or a dead one's) lock file.
     "barrier": ("medium", "barrier-hang"),

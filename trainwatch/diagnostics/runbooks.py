@@ -14,45 +14,32 @@ import re
 from importlib import resources
 from importlib.abc import Traversable
 
+from trainwatch import kinds
+
 PRODUCT_RUNBOOKS = (
+    *dict.fromkeys(k.runbook for k in kinds.KINDS.values()),  # every incident kind's
     "collective-timeout",
-    "collective-mismatch",
     "heartbeat-timeout",
     "watchdog-stuck",
     "nccl-error",
     "cuda-error",
     "illegal-memory-access",
-    "gpu-ecc",
     "gpu-utilisation",
     "oom",
     "child-failed",
     "python-exception",
     "dataloader-worker-killed",
-    "gpu-xid",
-    "hang",
-    "straggler",
-    "loss-nan",
-    "loss-spike",
-    "grad-explosion",
-    "dead-grad",
-    "vanishing-grad",
-    "lr-stuck",
-    "loss-scale-collapse",
-    "loss-trend",
-    "step-time-spike",
-    "crash",
     "healthy",
     "stopped",
     "starting",
     "finished",
     "restart-loop",
     "exporter-down",
-    "node-lost",
     "nccl-env-overrides",
     "gpu-visibility",
     "process-limits",
 )
-"""Runbook ids that detectors, verdicts and the doctor's checks outside the stack catalog refer to."""
+"""Runbook ids that incident kinds, verdicts and the doctor's checks outside the stack catalog refer to."""
 
 SECTIONS = ("Symptoms", "Confirm", "Likely causes", "Fix")
 """Second-level headings every runbook has, in this order."""

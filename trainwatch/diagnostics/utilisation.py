@@ -26,6 +26,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from trainwatch import kinds
+
 RUNBOOK = "gpu-utilisation"
 LOW_UTIL_PCT = 50.0
 """Mean GPU busy percent below which utilisation counts as low."""
@@ -36,8 +38,9 @@ WAIT_SHARE = 0.20
 MEMORY_FRACTION = 0.90
 """Fraction of a GPU's memory in use from which memory is the bottleneck."""
 FINDINGS = ("data_loading", "communication", "pipeline_bubble", "memory_pressure", "unexplained")
-STEPPING_VERDICTS = frozenset({"healthy", "straggler", "loss_nan", "loss_spike", "grad_explosion"})
-"""Verdicts of a job whose ranks still complete steps: only then do idle GPUs say something about throughput."""
+STEPPING_VERDICTS = frozenset({"healthy", *kinds.ALERT_ONLY_KINDS})
+"""Verdicts of a job whose ranks still complete steps (healthy, or an open incident of a kind that leaves the
+job running: kinds.py): only then do idle GPUs say something about throughput."""
 
 _P2P_OP = re.compile(r"send|recv", re.IGNORECASE)
 

@@ -24,10 +24,10 @@ from trainwatch.diagnostics.stack_groups import odd_one_out
 from trainwatch.diagnostics.xid import ECC_CODES
 
 
-# Where a category's runbook lives when no catalog pattern named one.
-CATEGORY_RUNBOOK = {
+# Where a category's runbook lives when no catalog pattern named one; a
+# category that is an incident kind has the kind's runbook (kinds.py).
+CATEGORY_RUNBOOK = {k.name: k.runbook for k in kinds.KINDS.values()} | {
     "collective_wait": "collective-wait",
-    "collective_mismatch": "collective-mismatch",
     "moe_all_to_all": "moe-all-to-all",
     "barrier": "barrier-hang",
     "gc_collect": "gc-hang",
@@ -37,14 +37,12 @@ CATEGORY_RUNBOOK = {
     "cuda_sync": "cuda-sync",
     "other": "hang",
     "child_failed": "child-failed",
-    "xid": "gpu-xid",
-    "ecc": "gpu-ecc",
     "healthy": "healthy",
     "suspect": "hang",
     "stopped": "stopped",
     "starting": "starting",
     "finished": "finished",
-} | {k.name: k.runbook for k in kinds.KINDS.values() if k.name not in ("hang", "xid", "ecc")}
+}
 ALERT_ONLY_KINDS = kinds.ALERT_ONLY_KINDS
 """Incident kinds that leave a job running: the verdict names an open one."""
 SUSPECT_STEPS = 5.0
@@ -202,7 +200,7 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
         )
 
     from_groups = {k: g for g in groups for k in g.ranks}
-    live_incident = next((i for i in reversed(still_open) if i.get("kind") in ("hang", "collective_mismatch")), None)
+    live_incident = next((i for i in reversed(still_open) if i.get("kind") in kinds.CAPTURE_KINDS), None)
     culprits, why = _culprits(ranks, limits)
     odd = odd_one_out(groups) if groups else None
     confidence = 0.6 if culprits else 0.45

@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from trainwatch import env, liveness, netbind, slots, state
+from trainwatch import env, kinds, liveness, netbind, slots, state
 from trainwatch.records import JobStatus
 from trainwatch.inject import spec as inject
 from trainwatch.usage import printable
@@ -377,8 +377,9 @@ def _rendezvous_lost(run: _Run, error: Exception, rdzv_endpoint: str) -> None:
                     f"{str(error).splitlines()[0][:200] if str(error) else 'no detail'}); {why}"), file=sys.stderr,
           flush=True)
     if host_lost:  # this node survived the one that held the store: its incident, in its own records
-        run.job_dir.append_event({"kind": "node_lost", "id": f"{node}-{run_id}-rdzv-host", "severity": "critical",
-                                  "runbook": "node-lost", "culprit_ranks": [], "victims": [], "node": node,
+        lost = kinds.KINDS["node_lost"]
+        run.job_dir.append_event({"kind": lost.name, "id": f"{node}-{run_id}-rdzv-host", "severity": lost.severity,
+                                  "runbook": lost.runbook, "culprit_ranks": [], "victims": [], "node": node,
                                   "summary": f"node_lost: {why}", "time": time.time(),
                                   "evidence": {"node": "rendezvous host", "endpoint": rdzv_endpoint}})
         run.job_dir.append_event({"kind": "resolved", "incident": f"{node}-{run_id}-rdzv-host", "count": 1,

@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from trainwatch import jobstore, liveness, rankrow, slots, state
+from trainwatch import jobstore, kinds, liveness, rankrow, slots, state
 from trainwatch.capture import capture_ranks
 from trainwatch.diagnostics import goodput, utilisation
 from trainwatch.diagnostics import verdict as verdict_mod
@@ -151,7 +151,7 @@ def phase_of_job(job: dict, ranks: list[dict], live: bool) -> str:
 def hardware_findings(incidents: list[dict]) -> list[dict]:
     out = []
     for i in incidents:
-        if i.get("kind") in ("xid", "ecc"):
+        if i.get("kind") in kinds.HARDWARE_KINDS:
             ev = i.get("evidence") or {}
 
             def text(key: str) -> str | None:

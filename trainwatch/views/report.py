@@ -24,13 +24,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from trainwatch import liveness, rankrow, state
+from trainwatch import kinds, liveness, rankrow, state
 from trainwatch.diagnostics import goodput
 from trainwatch.usage import Parser, fail, printable
 
 MAX_POINTS = 2000
 """Per rank and series on the page; longer histories are thinned evenly."""
-VERDICT_KINDS = ("hang", "collective_mismatch", "crash", "xid", "ecc", "loss_nan")
+VERDICT_KINDS = kinds.PAGE_KINDS
+"""The faults a report leads with: the kinds that page (kinds.py)."""
 MAX_RANKS = 1 << 20
 """A job.json world size above this is junk, not a job."""
 
@@ -73,9 +74,9 @@ def _slowest(series: dict[int, dict[str, list]]) -> list[dict]:
 def _last_verdict(events: list[dict]) -> dict | None:
     """The newest fault that stopped or restarted the job; failing that the
     newest alert (a straggler, a loss spike); restarts are outcomes, not verdicts."""
-    for kinds in (VERDICT_KINDS, None):
+    for wanted in (VERDICT_KINDS, None):
         for e in reversed(events):
-            if e["kind"] != "restart" and (kinds is None or e["kind"] in kinds):
+            if e["kind"] != "restart" and (wanted is None or e["kind"] in wanted):
                 return e
     return None
 

@@ -194,7 +194,6 @@ class HardwareMonitor:
                     victims=[],
                     summary=f"Xid {e.code} ({info.name}) on {where} ({who}): {info.meaning}; action: {e.action or info.action}",
                     severity=severity,
-                    runbook="gpu-ecc" if kind == "ecc" else "gpu-xid",
                     category=kind,
                     evidence={
                         "xid": e.code, "gpu": gpu, "pci": e.pci, "local_rank": local, "meaning": info.meaning,
@@ -223,8 +222,6 @@ class HardwareMonitor:
                         victims=[],
                         summary=f"uncorrectable ECC error on GPU {s.index} ({who}): {count - prev} new, "
                         f"{count} since driver load; action: drain_node if it repeats, else reset_gpu",
-                        severity="critical",
-                        runbook="gpu-ecc",
                         category="ecc",
                         evidence={"gpu": s.index, "pci": s.pci_bus_id, "local_rank": local, "uncorrected": count,
                                   "new": count - prev, "xid": None, "meaning": "uncorrectable ECC error",

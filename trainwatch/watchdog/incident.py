@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from trainwatch import codec
+from trainwatch import codec, kinds
 
 SEVERITIES = ("info", "low", "medium", "high", "critical")
 """Allowed severities, least to most urgent."""
@@ -37,10 +37,10 @@ class Incident:
     """Global ranks affected only because of the culprits (e.g. waiting on them)."""
     summary: str = ""
     """One readable sentence for consoles and logs."""
-    severity: str = "medium"
-    """One of SEVERITIES."""
+    severity: str = ""
+    """One of SEVERITIES; empty: the kind's declared severity (kinds.KINDS), medium for another kind."""
     runbook: str | None = None
-    """Runbook id to follow (e.g. 'hang', 'collective-mismatch')."""
+    """Runbook id to follow (e.g. 'hang', 'collective-mismatch'); None: the kind's declared runbook."""
     category: str | None = None
     """Best stack/error category guess (DESIGN.md lists), None if unknown."""
     evidence: dict = field(default_factory=dict)
@@ -51,6 +51,11 @@ class Incident:
     """Monotonic time of the tick that found it."""
 
     def __post_init__(self) -> None:
+        declared = kinds.spec(self.kind)
+        if not self.severity:
+            self.severity = declared.severity if declared is not None else "medium"
+        if self.runbook is None and declared is not None:
+            self.runbook = declared.runbook
         if self.severity not in SEVERITIES:
             raise ValueError(f"incident severity must be one of {', '.join(SEVERITIES)}; got {self.severity!r}")
         self.culprit_ranks = sorted({int(r) for r in self.culprit_ranks})

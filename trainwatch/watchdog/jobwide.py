@@ -51,8 +51,9 @@ JOB_INCIDENT_KINDS = kinds.JOB_SCOPE_KINDS
 log = logging.getLogger("trainwatch.jobwide")
 
 SUMMARY_VERSION = 1
-JOB_SCOPE = ("hang", "collective_mismatch", "straggler")
-"""Detectors that need every rank of the job: run by the aggregator only."""
+JOB_SCOPE = tuple(k for k in kinds.JOB_SCOPE_KINDS if k != "node_lost")
+"""Detectors (named by the kind they raise) that need every rank of the job: run by the aggregator only
+(node_lost is the aggregator's own finding, not a detector's)."""
 MONO_FIELDS = tuple(n for n in slots.slot_dtype().names if n.endswith("_mono"))
 PUBLISH_S = 0.5
 """How often a node publishes its summary (and on every incident)."""
@@ -233,10 +234,10 @@ class Aggregator:
             ranks = sorted(int(r) for r in rows["rank"])
             age = now - seen.first_seen
             out.append(Incident(
-                kind="node_lost", severity="critical", culprit_ranks=ranks,
+                kind="node_lost", culprit_ranks=ranks,
                 summary=f"node {name} lost: no word from its watchdog for {age:.1f}s "
                         f"(ranks {', '.join(map(str, ranks)) or 'none'}); the survivors are its victims",
-                evidence={"node": name, "silent_s": round(age, 2), "ranks": ranks}, runbook="node-lost"))
+                evidence={"node": name, "silent_s": round(age, 2), "ranks": ranks}))
         return out
 
     def tick(self, summaries: list[Summary]) -> list[Incident]:
@@ -247,8 +248,8 @@ class Aggregator:
             return []
         causes: dict[str, frozenset] = {}
         for name, seen in sorted(self.nodes.items()):
-            if seen.lost:  # its peers wait for it: that is the node_lost incident
-                causes[f"node {name} lost"] = frozenset({"hang", "collective_mismatch"})
+            if seen.lost:  # its peers wait for it, as for a crashed rank: that is the node_lost incident
+                causes[f"node {name} lost"] = kinds.MUTES["crash"]
             else:
                 causes.update(seen.causes)
         return self.engine.tick(TickView(now=self.clock(), table=table, nodes=labels), extra=lost, causes=causes)

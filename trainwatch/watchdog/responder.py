@@ -60,7 +60,7 @@ class RestartGate:
         kind = record.get("kind")
         if not self.policy.restart or kind not in self.policy.restart_kinds:
             return False, None
-        if kind in ("xid", "ecc"):
+        if kind in kinds.HARDWARE_KINDS:
             if _SEVERITY.get(record.get("severity", "medium"), 2) < _SEVERITY[self.policy.min_severity_restart]:
                 return False, None
         # One restart request per episode: the agent is already tearing down.

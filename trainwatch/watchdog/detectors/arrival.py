@@ -315,5 +315,5 @@ class ArrivalEvaluator:
             # The compute path's view of the same ranks, where it has one.
             evidence["slowdown_ratio"] = max(known.values())
             evidence["ratios"] = known
-        return Incident(kind="straggler", culprit_ranks=culprits, victims=victims, summary=text, severity="medium",
-                        runbook="straggler", evidence=evidence, detected_mono=view.now)
+        return Incident(kind="straggler", culprit_ranks=culprits, victims=victims, summary=text,
+                        evidence=evidence, detected_mono=view.now)

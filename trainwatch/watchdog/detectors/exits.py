@@ -115,8 +115,6 @@ class ExitDetector(Detector):
             culprit_ranks=[e.rank for e in exits],
             victims=victims,
             summary=text,
-            severity="critical",
-            runbook="crash",
             category="child_failed",
             evidence={
                 "exits": [

@@ -251,8 +251,6 @@ class LossHealthDetector(Detector):
             culprit_ranks=ranks[c_rows].tolist(),
             victims=ranks[v_rows].tolist(),
             summary=text,
-            severity="critical",
-            runbook="loss-nan",
             category=None,
             evidence={
                 "step": step,
@@ -279,8 +277,6 @@ class LossHealthDetector(Detector):
             key="loss_spike",  # one episode per kind, however many ranks join it (the NaN spreads)
             culprit_ranks=ranks.tolist(),
             summary=text,
-            severity="medium",
-            runbook="loss-spike",
             category=None,
             evidence={
                 "step": int(step),
@@ -309,8 +305,6 @@ class LossHealthDetector(Detector):
             key="grad_explosion",  # one episode per kind, however many ranks join it (the NaN spreads)
             culprit_ranks=ranks.tolist(),
             summary=text,
-            severity="high",
-            runbook="grad-explosion",
             category=None,
             evidence={
                 "step": int(step),

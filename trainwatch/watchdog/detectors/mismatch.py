@@ -219,8 +219,6 @@ class CollectiveMismatchDetector(Detector):
             culprit_ranks=list(culprits),
             victims=victims,
             summary=text,
-            severity="high",
-            runbook="collective-mismatch",
             category="collective_mismatch",
             evidence={
                 "source": detail["source"],
@@ -369,8 +367,6 @@ class CollectiveMismatchDetector(Detector):
             culprit_ranks=culprits,
             victims=victims,
             summary=f"collective mismatch in pg {pg}: " + "; ".join(parts) + tail,
-            severity="high",
-            runbook="collective-mismatch",
             category="collective_mismatch",
             evidence={
                 "source": "flight_recorder",
@@ -403,8 +399,6 @@ class CollectiveMismatchDetector(Detector):
             culprit_ranks=culprits,
             victims=[int(ranks[row]) for row, o in zip(rows, ops) if o == ref],
             summary=f"collective mismatch in pg {pg}: " + "; ".join(parts),
-            severity="high",
-            runbook="collective-mismatch",
             category="collective_mismatch",
             evidence={"source": "flight_recorder", "pg": pg, "seq": top, "ops": dict(by_op)},
             detected_mono=view.now,

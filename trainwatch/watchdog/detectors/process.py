@@ -87,7 +87,7 @@ class ProcessStateDetector(Detector):
                 f"(process state T: SIGSTOP or job control) at step {int(t['step'][rows].max())}; it runs no "
                 f"further and its peers wait for it")
         return Incident(
-            kind="hang", culprit_ranks=ranks, victims=others, summary=text, severity="high", runbook="stopped",
+            kind="hang", culprit_ranks=ranks, victims=others, summary=text, runbook="stopped",
             category="stopped",
             evidence={"pattern": "stopped", "source": "process_state", "step": int(t["step"][rows].max()),
                       "culprits": {int(t["rank"][r]): self._facts(view, r, "stopped") for r in rows}},
@@ -99,7 +99,7 @@ class ProcessStateDetector(Detector):
         text = (f"crash: rank {rank} (pid {pid}) is a zombie (process state Z: it exited, or its main thread "
                 f"ended while other threads run on) at step {int(t['step'][r])}, without finishing")
         return Incident(
-            kind="crash", culprit_ranks=[rank], summary=text, severity="critical", runbook="crash",
+            kind="crash", culprit_ranks=[rank], summary=text,
             category="child_failed",
             evidence={"source": "process_state", "exits": [{"rank": rank, "pid": pid, "node": view.nodes[r]
                                                              if view.nodes else "", "state": "zombie"}],

@@ -286,7 +286,7 @@ class StepTimeDetector(Detector):
             text += f"; {describe_ranks(victims)} waited for it"
         return Incident(
             kind="step_time_spike", culprit_ranks=list(ep.culprits), victims=victims, summary=text,
-            severity="medium", runbook="step-time-spike", category=None,
+            category=None,
             evidence=_evidence(ep, label), key=ep.key, detected_mono=ep.since,
         )
 
@@ -301,7 +301,7 @@ class StepTimeDetector(Detector):
                 "another node, or a rank slowed inside that phase itself")
         return Incident(
             kind="step_time_spike", culprit_ranks=[], victims=list(ep.victims), summary=text, severity="low",
-            runbook="step-time-spike", category=None, evidence=_evidence(ep, first["phase"]), key=ep.key,
+            category=None, evidence=_evidence(ep, first["phase"]), key=ep.key,
             detected_mono=ep.since,
         )
 

@@ -228,8 +228,6 @@ class StragglerDetector(Detector):
             culprit_ranks=culprits,
             victims=victims,
             summary=text,
-            severity="medium",
-            runbook="straggler",
             category=None,
             evidence={
                 "source": "compute",

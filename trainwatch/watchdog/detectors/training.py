@@ -233,18 +233,18 @@ class TrainingHealthDetector(Detector):
             what = "every gradient element is zero" if value >= 1.0 else "the gradient norm is exactly 0"
             text = (f"dead gradients: on {who} {what} for {int(extra)} steps in a row (step {int(step)}); "
                     "the model is not learning")
-            return self._make(view, "dead_grad", "dead_grad", hit, text, "high", runbook="dead-grad",
+            return self._make(view, "dead_grad", "dead_grad", hit, text,
                               evidence={"step": int(step), "steps_in_a_row": int(extra), "ranks": per_rank})
         if kind == "vanish":
             text = (f"vanishing gradients: on {who} {value:.0%} of gradient elements are exactly zero "
                     f"(over {cfg.vanishing_frac:.0%}) for {int(extra)} steps in a row (step {int(step)})")
-            return self._make(view, "vanishing_grad", "vanishing_grad", hit, text, "medium",
-                              runbook="vanishing-grad", evidence={"step": int(step), "zero_fraction": value,
-                                                                  "steps_in_a_row": int(extra), "ranks": per_rank})
+            return self._make(view, "vanishing_grad", "vanishing_grad", hit, text,
+                              evidence={"step": int(step), "zero_fraction": value,
+                                        "steps_in_a_row": int(extra), "ranks": per_rank})
         if kind == "zero":
             text = (f"learning rate stuck at 0: {who} trained {int(extra)} steps past step {cfg.lr_grace_steps} "
                     f"with a learning rate of exactly 0 (since step {max(int(value), 1)}, now step {int(step)})")
-            return self._make(view, "lr_stuck", "lr_stuck:zero", hit, text, "medium", runbook="lr-stuck",
+            return self._make(view, "lr_stuck", "lr_stuck:zero", hit, text,
                               evidence={"step": int(step), "lr": 0.0, "zero_since_step": int(value),
                                         "ranks": per_rank})
         if kind == "max":
@@ -252,18 +252,19 @@ class TrainingHealthDetector(Detector):
             text = (f"learning rate stuck at its peak: on {who} it rose to {value:.4g} over a {int(extra)}-step "
                     f"warmup, then stayed exactly there for {held} steps (step {int(step)}); expected only with a "
                     "constant or warmup-stable-decay schedule")
-            return self._make(view, "lr_stuck", "lr_stuck:max", hit, text, "low", runbook="lr-stuck",
+            return self._make(view, "lr_stuck", "lr_stuck:max", hit, text, severity="low",
                               evidence={"step": int(step), "lr": value, "warmup_steps": int(extra),
                                         "held_steps": held, "ranks": per_rank})
         text = (f"loss scale collapse: on {who} the fp16 loss scale is {value:.4g} at step {int(step)}, down from "
                 f"{extra:.4g} ({extra / value if value > 0 else float('inf'):.3g}x): gradients keep overflowing "
                 "and steps are being skipped")
         return self._make(view, "loss_scale_collapse", "loss_scale_collapse", hit, text,
-                          "high" if value < cfg.scale_floor else "medium", runbook="loss-scale-collapse",
+                          severity="high" if value < cfg.scale_floor else "",
                           evidence={"step": int(step), "loss_scale": value, "reference": extra, "ranks": per_rank})
 
     @staticmethod
-    def _make(view: TickView, kind: str, key: str, ranks: np.ndarray, text: str, severity: str, *,
-              runbook: str, evidence: dict) -> Incident:
-        return Incident(kind=kind, culprit_ranks=ranks.tolist(), summary=text, severity=severity, runbook=runbook,
+    def _make(view: TickView, kind: str, key: str, ranks: np.ndarray, text: str, *, severity: str = "",
+              evidence: dict) -> Incident:
+        """The incident of `kind`; `severity` "" is the kind's own (kinds.py), its runbook always is."""
+        return Incident(kind=kind, culprit_ranks=ranks.tolist(), summary=text, severity=severity,
                         category=None, evidence=evidence, key=key, detected_mono=view.now)

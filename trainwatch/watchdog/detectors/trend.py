@@ -221,7 +221,7 @@ class LossTrendDetector(Detector):
             text = (f"loss trend: loss rising on {who}: over the last {window} steps (to step {int(step)}) the "
                     f"robust fit climbs {rel[lead]:+.0%} of its level {level:.4g} (slope {slope:.3g} per step, "
                     f"tau {tau:.2f}); not a spike: the bulk of the curve moved")
-            severity, key = "medium", "loss_trend:rising"
+            severity, key = "", "loss_trend:rising"  # "": the kind's own severity (kinds.py)
         else:
             text = (f"loss trend: loss plateau on {who}: over the last {window} steps (to step {int(step)}) the "
                     f"loss changed {rel[lead]:+.2%} of its level {level:.4g}, under the {cfg.plateau_frac:.2%} "
@@ -232,7 +232,6 @@ class LossTrendDetector(Detector):
             culprit_ranks=ranks.tolist(),
             summary=text,
             severity=severity,
-            runbook="loss-trend",
             category=None,
             evidence={"trend": "rising" if rising else "plateau", "step": int(step), "window_steps": window,
                       "loss_watched": loss_watched(view.table, np.nonzero(np.isin(view.table["rank"], ranks))[0]),
