@@ -49,7 +49,7 @@ def test_a_persistent_straggler_pages_once(tmp_path):
                  "--max-steps", "1000000", "--log-interval", "1000"],
                 env=env_for(home), stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True)
         try:
-            opened = wait_for(lambda: [e for e in events(home, JOB) if e["kind"] == "straggler"], 180,
+            opened = wait_for(lambda: [e for e in events(home, JOB) if e.kind == "straggler"], 180,
                               what="the straggler incident")[0]
             wait_for(lambda: time.time() - opened["opened_time"] > RUN_S or proc.poll() is not None, RUN_S + 60,
                      interval=1.0, what="six and a half minutes of straggling")
@@ -70,7 +70,7 @@ def test_a_persistent_straggler_pages_once(tmp_path):
     assert times[0] - opened["opened_time"] >= 295.0, times[0] - opened["opened_time"]
     assert pending and min(float(t) for s in pending for t, _ in s["values"]) < times[0]
     # One incident for the whole run, still open, with one console line.
-    stragglers = [e for e in events(home, JOB) if e["kind"] == "straggler"]
-    assert len(stragglers) == 1 and stragglers[0]["culprit_ranks"] == [1], stragglers
+    stragglers = [e for e in events(home, JOB) if e.kind == "straggler"]
+    assert len(stragglers) == 1 and stragglers[0].culprit_ranks == [1], stragglers
     assert log_path.read_text().count("INCIDENT straggler") == 1
     assert record is not None

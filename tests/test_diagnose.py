@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from trainwatch import state
 from trainwatch.cli import main
+from trainwatch.records import HardwareFinding, Incident, Resolution
 from trainwatch.diagnostics.goodput import GoodputLedger
 from trainwatch.diagnostics.stack_groups import StackGroup
 from trainwatch.diagnostics.verdict import decide
@@ -62,16 +64,17 @@ def test_everyone_in_the_same_collective_names_no_culprit():
 
 
 def test_hardware_fault_wins():
-    hw = [{"gpu": 1, "xid": 79, "meaning": "fallen off the bus", "severity": "critical", "rank": 1,
-           "action": "reboot_node", "kind": "xid"}]
+    hw = [HardwareFinding("xid", "critical", gpu=1, xid=79, meaning="fallen off the bus", rank=1,
+                          action="reboot_node")]
     v = decide([row(r) for r in range(4)], hardware=hw)
     assert v.category == "xid" and v.culprit_ranks == [1] and v.runbook == "gpu-xid"
 
 
 def test_mismatch_incident_is_the_verdict_until_a_restart():
-    inc = [{"kind": "collective_mismatch", "culprit_ranks": [3], "summary": "rank 3 issued fewer collectives"}]
+    inc = [Incident("collective_mismatch", [3], summary="rank 3 issued fewer collectives")]
     assert decide([row(r, idle=0.1) for r in range(4)], incidents=inc).category == "collective_mismatch"
-    after = inc + [{"kind": "restart", "culprit_ranks": [3]}]
+    # Its restart's ranks stepped: the sidecar resolved it.
+    after = [dataclasses.replace(inc[0], resolution=Resolution(reason="its ranks restarted")), Incident("restart", [3])]
     assert decide([row(r, idle=0.1) for r in range(4)], incidents=after).category == "healthy"
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from trainwatch import jobstore, liveness, rankrow, slots, state
+from trainwatch import jobstore, liveness, rankrow, records, slots, state
 from trainwatch.capture import capture_ranks
 from trainwatch.diagnostics import goodput, utilisation
 from trainwatch.diagnostics import verdict as verdict_mod
@@ -148,28 +148,8 @@ def phase_of_job(job: dict, ranks: list[dict], live: bool) -> str:
     return "running"
 
 
-def hardware_findings(incidents: list[dict]) -> list[dict]:
-    out = []
-    for i in incidents:
-        if i.get("kind") in ("xid", "ecc"):
-            ev = i.get("evidence") or {}
-
-            def text(key: str) -> str | None:
-                return ev[key] if isinstance(ev.get(key), str) else None
-
-            out.append(
-                {
-                    "gpu": ev.get("gpu") if isinstance(ev.get("gpu"), (int, str)) else None,
-                    "xid": ev.get("xid") if state.is_int(ev.get("xid")) else None,
-                    "meaning": text("meaning") or i.get("summary"),
-                    "severity": i.get("severity"),
-                    "rank": next(iter(i.get("culprit_ranks") or []), None),
-                    "action": text("action"),
-                    "kind": i.get("kind"),
-                    "evidence": text("line"),
-                }
-            )
-    return out
+def hardware_findings(incidents: list[records.Incident]) -> list[records.HardwareFinding]:
+    return [records.HardwareFinding.of(i) for i in incidents if i.kind in ("xid", "ecc")]
 
 
 def _starting_report(job_name: str, marker: dict) -> dict:
@@ -251,27 +231,27 @@ def _verdict(job, status, live, ranks, groups, incidents, hardware, thresholds=N
     if status == "restarting":
         cause = _restart_cause(incidents)
         if cause is not None:
-            return verdict_mod._from_incident(cause, "restarting after")
+            return verdict_mod.from_incident(cause, "restarting after")
         return verdict_mod.Verdict("other", [], "the worker group is restarting", "restart-loop", 0.5, [])
     if status in ("finished", "succeeded"):
-        faults = [i for i in incidents if i.get("kind") != "restart"]
+        faults = [i for i in incidents if i.kind != "restart"]
         note = f" ({len(faults)} incident(s) along the way; see incidents)" if faults else ""
         return verdict_mod.Verdict("finished", [], f"job finished normally{note}", "finished", 0.95, [])
     if live:
         return verdict_mod.decide(ranks, groups, incidents, hardware, thresholds)
     if incidents:
-        last = next((i for i in reversed(incidents) if i.get("kind") != "restart"), incidents[-1])
-        return verdict_mod._from_incident(last, f"job {job.get('status', 'finished')}; last incident")
+        last = next((i for i in reversed(incidents) if i.kind != "restart"), incidents[-1])
+        return verdict_mod.from_incident(last, f"job {job.get('status', 'finished')}; last incident")
     return verdict_mod.Verdict("other", [], f"job {status} with no incidents recorded", "hang", 0.3, [])
 
 
-def _restart_cause(incidents: list[dict]) -> dict | None:
+def _restart_cause(incidents: list[records.Incident]) -> records.Incident | None:
     """The incident the current restart is for: the last one that asked for a
     restart, or the last crash (torchelastic restarts those by itself)."""
     for i in reversed(incidents):
-        if i.get("kind") == "restart":
+        if i.kind == "restart":
             return None
-        if (i.get("restart") or {}).get("requested") or i.get("kind") == "crash":
+        if i.restart_requested or i.kind == "crash":
             return i
     return None
 
@@ -319,8 +299,9 @@ def _report(job_name, status, v, ranks, groups, hardware, incidents, gpu: dict) 
             }
             for g in groups
         ],
-        "hardware": [{k: h[k] for k in ("gpu", "xid", "meaning", "severity")} | {"rank": h["rank"]} for h in hardware],
-        "incidents": incidents[-20:],
+        "hardware": [{"gpu": h.gpu, "xid": h.xid, "meaning": h.meaning, "severity": h.severity, "rank": h.rank}
+                     for h in hardware],
+        "incidents": [i.view() for i in incidents[-20:]],
         "goodput": None,
         **gpu,
     }

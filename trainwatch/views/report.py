@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from trainwatch import liveness, rankrow, state
+from trainwatch import liveness, rankrow, records, state
 from trainwatch.diagnostics import goodput
 from trainwatch.usage import Parser, fail, printable
 
@@ -35,9 +35,9 @@ MAX_RANKS = 1 << 20
 """A job.json world size above this is junk, not a job."""
 
 
-def _event_time(event: dict) -> float | None:
+def _event_time(event: records.Incident) -> float | None:
     try:
-        return datetime.fromisoformat(str(event.get("time"))).timestamp()
+        return datetime.fromisoformat(event.time).timestamp()
     except (ValueError, OverflowError, OSError):  # not a time, or one no calendar holds
         return None
 
@@ -94,16 +94,16 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
             continue
         events.append({
             "t": t,
-            "kind": str(e.get("kind", "unknown")),
-            "culprits": [r for r in e.get("culprit_ranks") or [] if isinstance(r, int)],
-            "summary": str(e.get("summary") or ""),
-            "runbook": str(e.get("runbook") or ""),
-            "category": str(e.get("category") or ""),
-            "severity": str(e.get("severity") or ""),
-            "id": str(e.get("id") or ""),
+            "kind": e.kind,
+            "culprits": e.culprit_ranks,
+            "summary": e.summary,
+            "runbook": e.runbook or "",
+            "category": e.category or "",
+            "severity": e.severity,
+            "id": e.id or "",
             # open / resolved, and for how long: the same lifecycle the console and diagnose show
-            "status": str(e.get("status") or ""),
-            "duration_s": state.finite_number(e.get("duration_s")),
+            "status": e.status,
+            "duration_s": e.resolution.duration_s if e.resolution is not None else None,
         })
     events.sort(key=lambda e: e["t"])
     nsamples, series = d.read_history(MAX_POINTS)
