@@ -479,7 +479,7 @@ def one_error_line_or_success(rc: int, err: str) -> None:
                 "history/n0.jsonl": b'{"t": 1e300, "r": [[0, 1, 1, 1, "x", 1, 1]]}\n{"t": -1e300, "r": []}'})
 @given(files=job_files)
 def test_commands_on_a_hostile_job_directory_succeed_or_say_one_error_line(home, tmp_path, monkeypatch, capsys, files):
-    monkeypatch.setattr(diagnose, "capture_ranks", lambda rows, **kw: ([], tmp_path, {}))  # never py-spy here
+    monkeypatch.setattr(diagnose, "capture_ranks", lambda rows, **kw: ([], tmp_path, {}, rows))  # never py-spy here
     path = write_job(home, files)
     before = snapshot(path)
     out = tmp_path / "page.html"

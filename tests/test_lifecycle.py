@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from slot_tables import make_table, set_rows, view
 
-from trainwatch import kinds, records
+from trainwatch import kinds, records, slots
+from trainwatch.rankrow import RankRow
 from trainwatch.diagnostics import verdict
 from trainwatch.watchdog import engine as engine_mod
 from trainwatch.watchdog.detectors.base import Detector
@@ -191,10 +192,9 @@ def test_open_gauge_counts_open_incidents_from_zero():
 # ---- one judge -------------------------------------------------------------------------
 
 
-def rows(ages, step_s=0.1):
-    return [{"rank": r, "step": 100, "phase": "data", "last_progress_s": a, "step_s": step_s,
-             "heartbeat_age_s": 0.1, "collectives": {"enqueued": 10, "completed": 10, "last_op": "allreduce"}}
-            for r, a in enumerate(ages)]
+def rows(ages, step_s=0.1, **kw):
+    return [RankRow(r, step=100, phase="data", last_progress_s=a, step_s=step_s, heartbeat_age_s=0.1,
+                    groups=(slots.CollectiveGroup(0, 10, 10, "allreduce"),), **kw) for r, a in enumerate(ages)]
 
 
 def test_a_rank_idle_short_of_the_threshold_is_suspect_not_healthy():
@@ -248,7 +248,7 @@ def test_ranks_torn_down_for_a_restart_are_not_a_new_failure():
     `child_failed` of every rank."""
     fault = Incident("hang", [1], id="n-1-1", summary="rank 1 stuck", runbook="hang", category="dataloader",
                      restart=records.RestartDecision(requested=True))
-    gone = [r | {"pid": 100 + r["rank"], "state": "gone"} for r in rows([0.05, 0.05])]
+    gone = [dataclasses.replace(r, pid=100 + r.rank, state="gone") for r in rows([0.05, 0.05])]
     v = verdict.decide(gone, incidents=[fault])
     assert (v.category, v.culprit_ranks) == ("dataloader", [1]) and v.summary.startswith("restarting after")
     assert verdict.decide(gone).category == "child_failed"
@@ -260,12 +260,13 @@ def test_a_rank_idle_many_of_its_steps_is_suspect_within_a_second():
     checkpoint's pause is judged against the threshold in force."""
     thresholds = {"hang": {"floor_s": 5.0, "k": 5.0, "ranks": {str(r): 5.0 for r in range(3)}}}
     ranks = rows([0.8, 0.8, 0.8])
-    ranks[0]["phase"] = ranks[2]["phase"] = "collective"
+    ranks[0] = dataclasses.replace(ranks[0], phase="collective")
+    ranks[2] = dataclasses.replace(ranks[2], phase="collective")
     v = verdict.decide(ranks, thresholds=thresholds)
     assert v.category == "suspect" and v.culprit_ranks == [1], v
     assert verdict.decide(rows([0.3, 0.3, 0.3]), thresholds=thresholds).category == "healthy"
     saving = rows([0.05, 1.5, 0.05])
-    saving[1]["phase"] = "checkpoint"
+    saving[1] = dataclasses.replace(saving[1], phase="checkpoint")
     assert verdict.decide(saving, thresholds=thresholds).category == "healthy"
 
 

@@ -122,7 +122,7 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
         kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
     steps = [x for s in series.values() for x in s["step"] if x is not None]
     if not steps:
-        steps = [r["step"] for r in rankrow.rows_from_json(d.telemetry().get("ranks"))]
+        steps = [r.step for r in rankrow.rows_from_json(d.telemetry().get("ranks"))]
     # job.json fields of the wrong type (or absurd size) read as missing.
     world = next((n for n in (record.get("world_size"), record.get("nproc_per_node"))
                   if state.is_int(n) and 0 < n <= MAX_RANKS), 0)

@@ -368,8 +368,8 @@ class JobWideNode:
         """Another node's `diagnose` asked for every rank's stack: this node's ranks, grouped."""
         sc = self.sidecar
         try:
-            rows = [r for r in sc.snapshot() if r.get("pid")]
-            groups, _where, _failed = capture_ranks(rows, job=sc.dir, label="remote", timeout_s=5.0)
+            rows = [r for r in sc.rows() if r.pid]
+            groups, _where, _failed, _rows = capture_ranks(rows, job=sc.dir, label="remote", timeout_s=5.0)
             self.store.publish_stacks(n, sc.node, [dataclasses.asdict(g) for g in groups])
         except Exception:  # the asking side times out and says so
             log.exception("trainwatch: remote stack capture failed")

@@ -241,9 +241,9 @@ class Responder:
     def capture(self, record: dict) -> dict:
         ctx = self.ctx
         t0 = time.monotonic()
-        rows = rankrow.rows_json(rankrow.decode(ctx.segment.read_table(), time.monotonic(), ctx.node))
-        groups, where, failed = capture_ranks(rows, job=ctx.job, label=str(record.get("kind")),
-                                              timeout_s=self.policy.capture_timeout_s)
+        rows = rankrow.decode(ctx.segment.read_table(), time.monotonic(), ctx.node)
+        groups, where, failed, rows = capture_ranks(rows, job=ctx.job, label=str(record.get("kind")),
+                                                    timeout_s=self.policy.capture_timeout_s)
         own = records.Incident.from_json(record)
         current = [i for i in ctx.incidents() if i.id != record.get("id")] + ([own] if own is not None else [])
         v = decide(rows, groups, current, [], ctx.thresholds())
