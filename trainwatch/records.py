@@ -346,7 +346,10 @@ class Incident:
         """Its events.jsonl line (and job store record): what was known when it
         was recorded; its actions and resolution are records of their own."""
         self.stamp(wall_time)
-        out = {"time": self.time} | {name: codec.encode(getattr(self, name)) for name in _LINE}
+        return self._line()
+
+    def _line(self) -> dict:
+        out = ({"time": self.time} if self.time else {}) | {name: codec.encode(getattr(self, name)) for name in _LINE}
         out |= {name: codec.encode(v) for name in _SET if (v := getattr(self, name)) is not None}
         if self.restart is not None and self.restart.why is None:
             out["restart"] = {"requested": self.restart.requested}
@@ -355,7 +358,7 @@ class Incident:
     def view(self) -> dict:
         """As `diagnose --json` lists it: the line with its actions' results,
         its status and how it ended merged in."""
-        out = self.to_json() | {n: codec.encode(v) for n in _MERGED if (v := getattr(self, n)) is not None}
+        out = self._line() | {n: codec.encode(v) for n in _MERGED if (v := getattr(self, n)) is not None}
         if self.status:
             out["status"] = self.status
         r = self.resolution
