@@ -6,6 +6,7 @@ import numpy as np
 from slot_tables import make_table, set_rows
 
 from trainwatch.rank.slotwriter import SlotWriter
+from trainwatch.records import Incident
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 from trainwatch.watchdog.exporter import StepHistogram
 from trainwatch.watchdog.responder import ActionPolicy, RestartGate
@@ -128,8 +129,8 @@ def test_incident_is_said_first_and_each_action_result_as_it_is_done(tmp_path, m
         for w in ws:
             w.write_step(28, 1.0, 1.0, 0.1, 0.1, 1.0, 0.5, slots.PHASE_CODES["data"], 1.0, 0)
         ws[1].set_checkpoint_ready()
-        record = sc.emit({"kind": "hang", "culprit_ranks": [0], "summary": "rank 0 made no progress",
-                          "evidence": {"step": 28}, "severity": "high"})
+        record = sc.emit(Incident("hang", [0], summary="rank 0 made no progress", evidence={"step": 28},
+                                  severity="high"))
         deadline = time.monotonic() + 60
         while not seg.read_control(1)[0]:  # the checkpoint request reached rank 1
             assert time.monotonic() < deadline, "rank 1 was never asked"
@@ -154,7 +155,7 @@ def test_incident_is_said_first_and_each_action_result_as_it_is_done(tmp_path, m
         assert said.index("emergency checkpoint of step 28 by 1 of 1 rank(s)") < said.index("restart requested")
         assert jd.restart_request_file.exists()
         [incident] = jd.incidents()
-        assert incident["verdict"] and incident["checkpoint"]["step"] == 28 and incident["restart"]["requested"]
+        assert incident.verdict and incident.checkpoint.step == 28 and incident.restart.requested
     finally:
         sc.responder.close()
         for p in ranks:

@@ -82,7 +82,7 @@ def test_a_persistent_straggler_pages_once(tmp_path):
                  "--max-steps", "1000000", "--log-interval", "1000"],
                 env=env_for(home), stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True)
         try:
-            opened = wait_for(lambda: [e for e in events(home, JOB) if e["kind"] == "straggler"], 180,
+            opened = wait_for(lambda: [e for e in events(home, JOB) if e.kind == "straggler"], 180,
                               what="the straggler incident")[0]
             wait_for(lambda: time.time() - opened["opened_time"] > run_s or proc.poll() is not None, run_s + 60,
                      interval=0.5, what="the straggler to outlast the rule's `for`")
@@ -103,7 +103,7 @@ def test_a_persistent_straggler_pages_once(tmp_path):
     assert times[0] - opened["opened_time"] >= for_s - 1.0, times[0] - opened["opened_time"]
     assert pending and min(float(t) for s in pending for t, _ in s["values"]) < times[0]
     # One incident for the whole run, still open, with one console line.
-    stragglers = [e for e in events(home, JOB) if e["kind"] == "straggler"]
-    assert len(stragglers) == 1 and stragglers[0]["culprit_ranks"] == [1], stragglers
+    stragglers = [e for e in events(home, JOB) if e.kind == "straggler"]
+    assert len(stragglers) == 1 and stragglers[0].culprit_ranks == [1], stragglers
     assert log_path.read_text().count("INCIDENT straggler") == 1
     assert record is not None

@@ -18,15 +18,16 @@ PKG = ROOT / "trainwatch"
 # What each part may import (besides itself); see docs/architecture.md.
 BASE = {"trainwatch.slots", "trainwatch.env", "trainwatch.flags", "trainwatch.usage", "trainwatch.historyfile",
         "trainwatch.checkpoint", "trainwatch.finite", "trainwatch.ckptschema", "trainwatch.diagnostics",
-        "trainwatch.procctl", "trainwatch.netbind", "trainwatch.kinds", "trainwatch.records", "trainwatch.codec"}
-LEVEL2 = BASE | {"trainwatch.rankrow", "trainwatch.state", "trainwatch.capture", "trainwatch.liveness",
+        "trainwatch.procctl", "trainwatch.netbind", "trainwatch.kinds", "trainwatch.records", "trainwatch.codec",
+        "trainwatch.rankrow"}
+LEVEL2 = BASE | {"trainwatch.state", "trainwatch.capture", "trainwatch.liveness",
                  "trainwatch.jobstore", "trainwatch"}
 ALLOWED = {
     "trainwatch.diagnostics": {"trainwatch.diagnostics", "trainwatch.slots", "trainwatch.kinds", "trainwatch.codec",
-                               "trainwatch.records"},
+                               "trainwatch.records", "trainwatch.rankrow"},
     "trainwatch.kinds": set(),
-    "trainwatch.records": set(),
-    "trainwatch.codec": {"trainwatch.records"},
+    "trainwatch.records": {"trainwatch.codec", "trainwatch.kinds"},
+    "trainwatch.codec": set(),
     "trainwatch.slots": set(),
     "trainwatch.env": set(),
     "trainwatch.flags": set(),
@@ -39,7 +40,7 @@ ALLOWED = {
     "trainwatch.netbind": set(),
     "trainwatch.jobstore": {"trainwatch.env"},
     "trainwatch.liveness": BASE | {"trainwatch.state"},
-    "trainwatch.rankrow": BASE,
+    "trainwatch.rankrow": {"trainwatch.codec", "trainwatch.slots"},
     "trainwatch.state": BASE,
     "trainwatch.capture": BASE | {"trainwatch.state"},
     "trainwatch.inject": LEVEL2 | {"trainwatch.inject"},

@@ -705,22 +705,22 @@ def test_zero_code_straggler_in_an_unmodified_ddp_script(tmp_path, fr_buffer, so
         def found():
             if proc.poll() is not None:
                 raise AssertionError(f"launch exited with {proc.returncode}:\n{proc.stdout.read()[-4000:]}")
-            return [e for e in events(tmp_path, job) if e["kind"] == "straggler"]
+            return [e for e in events(tmp_path, job) if e.kind == "straggler"]
 
         incident = wait_for(found, 120, interval=0.25, what="a straggler incident")[0]
     finally:
         stop_group(proc)
         reap(tmp_path)
-    assert incident["culprit_ranks"] == [2] and incident["victims"] == [0, 1, 3], incident
-    ev = incident["evidence"]
+    assert incident.culprit_ranks == [2] and incident.victims == [0, 1, 3], incident
+    ev = incident.evidence
     assert ev["source"] == source, ev
     if source == "collective_arrival":
         assert ev["arrival_source"] == "enqueued"  # gloo: enqueue times
         assert ev["lateness_s"]["2"] == pytest.approx(0.3, abs=0.1)
         assert ev["fraction_last"]["2"] >= 0.6 and ev["collectives_compared"]["2"] >= 5
     fired = json.loads((tmp_path / "jobs" / job / "control" / "faults.jsonl").read_text().splitlines()[0])
-    assert 0 < incident["detected_mono"] - fired["mono"] < 15
-    assert not [e for e in events(tmp_path, job) if e["kind"] == "straggler" and e["culprit_ranks"] != [2]]
+    assert 0 < incident.detected_mono - fired["mono"] < 15
+    assert not [e for e in events(tmp_path, job) if e.kind == "straggler" and e.culprit_ranks != [2]]
 
 
 def test_a_rank_last_by_role_is_no_straggler_until_it_falls_behind_its_own_baseline():

@@ -113,7 +113,7 @@ def test_client_healthy_run_has_no_incident(tmp_path, script):
     text = log.read_text()
     assert rc == plain.returncode == 0, text[-4000:]
     found = [e for e in events(home, job)]
-    assert found == [], [e.get("summary") for e in found]
+    assert found == [], [e.summary for e in found]
     assert (job_json(home, job) or {}).get("restarts") == 0
     assert len(live["ranks"]) == ranks
     assert all((r["step"] or 0) > 0 for r in live["ranks"]), live["ranks"]
@@ -127,9 +127,9 @@ def test_client_injected_hang_is_one_incident_with_the_right_culprit(tmp_path, s
     ranks, args, inject, culprit = CLIENTS[script]
     job = unique(script)
     r = run(launch_cmd(job, script, ranks, args, "--inject", inject), tmp_path, timeout=400)
-    found = [e for e in events(tmp_path, job) if e["kind"] != "restart"]
-    assert [e["kind"] for e in found] == ["hang"], [e.get("summary") for e in found] + [r.stdout[-3000:]]
-    assert found[0]["culprit_ranks"] == [culprit], found[0]["summary"]
-    assert culprit not in found[0]["victims"]
+    found = [e for e in events(tmp_path, job) if e.kind != "restart"]
+    assert [e.kind for e in found] == ["hang"], [e.summary for e in found] + [r.stdout[-3000:]]
+    assert found[0].culprit_ranks == [culprit], found[0].summary
+    assert culprit not in found[0].victims
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (job_json(tmp_path, job) or {}).get("restarts") == 1

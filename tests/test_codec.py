@@ -107,30 +107,75 @@ INCIDENT_FIELDS = st.sampled_from(["kind", "culprit_ranks", "victims", "summary"
 @settings(max_examples=300, deadline=None)
 @given(data=st.dictionaries(INCIDENT_FIELDS, JSON, max_size=12) | JSON)
 def test_any_json_reads_as_an_incident_a_verdict_or_a_store_record_or_nothing(data):
-    from trainwatch.diagnostics.verdict import Verdict
+    from trainwatch.records import Verdict
     from trainwatch.watchdog.incident import Incident
-    from trainwatch.watchdog.jobwide import store_record
+    from trainwatch.watchdog.jobwide import JobResolved, store_record
 
     inc = Incident.from_json(data)
     assert inc is None or (isinstance(inc, Incident) and all(r >= 0 for r in inc.culprit_ranks + inc.victims))
-    assert Verdict.from_json(data) is None or isinstance(Verdict.from_json(data), Verdict)
+    v = codec.decode(Verdict, data)
+    assert v is None or isinstance(v, Verdict)
     rec = store_record(data)
     if rec is not None:
-        json.dumps(rec, allow_nan=False)
-        assert isinstance(rec["kind"], str) and (rec["kind"] == "resolved" or isinstance(rec["id"], str))
+        json.dumps(codec.encode(rec) if isinstance(rec, JobResolved) else rec.to_json(), allow_nan=False)
+        assert isinstance(rec, JobResolved) or (isinstance(rec.id, str) and rec.scope is not None)
+
+
+ACTION_FIELDS = st.sampled_from(["verdict", "capture", "checkpoint", "in_process", "restart", "stack_groups",
+                                  "category", "culprit_ranks", "requested", "why", "ok", "step", "written", "failed"])
+EVENT = st.dictionaries(INCIDENT_FIELDS | ACTION_FIELDS, JSON | st.dictionaries(ACTION_FIELDS, JSON, max_size=4),
+                        max_size=10)
+EVENT_LINE = st.binary(max_size=80) | EVENT.map(lambda d: json.dumps(d).encode()) | st.builds(
+    lambda kind, ref, d: json.dumps(d | {"kind": kind, "incident": ref}).encode(),
+    st.sampled_from(["hang", "action", "resolved", "restart"]), st.sampled_from(["a", "b", 1]), EVENT)
+
+
+@given(lines=st.lists(EVENT_LINE, max_size=8))
+def test_any_bytes_in_events_jsonl_read_as_typed_incidents_or_nothing(lines, tmp_path_factory):
+    """Whatever events.jsonl holds, its reader gives typed incidents whose every
+    field has its declared type, or skips the record; strict decoding names
+    the field instead. Never a traceback."""
+    from trainwatch import records, state
+    from trainwatch.records import Incident
+
+    jd = state.JobDir("hostile", tmp_path_factory.mktemp("home"))
+    jd.path.mkdir(parents=True)
+    jd.events_file.write_bytes(b"\n".join(lines))
+    for incident in jd.incidents():
+        assert isinstance(incident, Incident) and incident.severity in records.SEVERITIES
+        assert all(type(r) is int and r >= 0 for r in incident.culprit_ranks + incident.victims)
+        assert isinstance(incident.evidence, dict) and isinstance(incident.summary, str)
+        assert incident.restart is None or type(incident.restart.requested) is bool
+        assert incident.verdict is None or (isinstance(incident.verdict.category, str)
+                                            and all(type(r) is int for r in incident.verdict.culprit_ranks))
+        assert incident.resolution is None or incident.status == "resolved" or incident.kind == "restart"
+        json.dumps(incident.view(), allow_nan=False)
+    for line in lines:
+        try:
+            data = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        try:
+            got = codec.decode(Incident, data, strict=True)
+        except codec.CodecError as e:
+            assert str(e).startswith("Incident")  # names the record (and the field) that does not fit
+        else:
+            assert isinstance(got, Incident)
 
 
 def test_incidents_and_verdicts_round_trip_through_their_json():
-    from trainwatch.diagnostics.verdict import Verdict
+    from trainwatch.records import RestartDecision, Verdict
     from trainwatch.watchdog.incident import Incident
 
     inc = Incident(kind="hang", culprit_ranks=[3], victims=[0, 1], summary="s", severity="high", runbook="hang",
-                   evidence={"step": 4}, detected_mono=12.5)
-    assert Incident.from_json(json.loads(json.dumps(inc.to_json()))) == inc
-    assert Incident.from_json({"kind": "hang", "culprit_ranks": [1], "severity": "urgent"}) is None
+                   evidence={"step": 4}, detected_mono=12.5, id="n-1-1", node="n", restart=RestartDecision(True))
+    line = json.loads(json.dumps(inc.to_json()))
+    assert line["restart"] == {"requested": True} and "verdict" not in line and "resolution" not in line
+    assert Incident.from_json(line) == inc
+    assert Incident.from_json({"kind": "hang", "culprit_ranks": [1], "severity": "urgent"}).severity == "high"  # the kind's declared one
     assert Incident.from_json({"kind": "hang", "culprit_ranks": [-1, 2, "x"]}).culprit_ranks == [2]
     v = Verdict("dataloader", [1], "rank 1 waits for data", "hang", 0.8, ["2 ranks idle"])
-    assert Verdict.from_json(json.loads(json.dumps(v.to_json()))) == v
+    assert codec.decode(Verdict, json.loads(json.dumps(v.to_json()))) == v
 
 
 def test_a_job_store_record_is_its_declaration_and_nothing_else():
@@ -141,11 +186,12 @@ def test_a_job_store_record_is_its_declaration_and_nothing_else():
         "id": "job-1-1-collective_mismatch", "scope": "job", "nodes": ["n1", 7], "node": "n1",
         "opened_time": 5.0, "restart": {"requested": True}}
     rec = store_record(raw)
-    assert rec["id"] == raw["id"] and rec["nodes"] == ["n1"] and rec["time"] == raw["time"]
-    assert rec["opened_time"] == 5.0 and "restart" not in rec  # each node's gate decides its own restart
+    assert rec.id == raw["id"] and rec.nodes == ["n1"] and rec.time == raw["time"]
+    assert rec.opened_time == 5.0 and rec.restart is None  # each node's gate decides its own restart
     assert store_record({k: v for k, v in raw.items() if k != "id"}) is None
     done = store_record({"kind": "resolved", "incident": "job-1", "duration_s": -1, "count": 2})
-    assert done == {"incident": "job-1", "duration_s": 0.0, "count": 2, "reason": "resolved", "kind": "resolved"}
+    assert codec.encode(done) == {"incident": "job-1", "duration_s": 0.0, "count": 2, "reason": "resolved",
+                                  "kind": "resolved"}
     assert store_record({"kind": "resolved"}) is None
 
 

@@ -543,7 +543,7 @@ def finished_run(prometheus):
     assert code == 0, log_path.read_text()[-4000:]
     # ... and removes it when it ends.
     assert not list((home / "targets").glob(f"{JOB}@*.json"))
-    kinds = [e["kind"] for e in events(home, JOB)]
+    kinds = [e.kind for e in events(home, JOB)]
     assert {"straggler", "hang", "restart"} <= set(kinds), kinds
     assert job_json(home, JOB)["restarts"] == 1
     end = time.time() + 2
@@ -633,11 +633,11 @@ def test_alerts_fired_during_the_run(finished_run, prometheus):
     assert "TrainwatchGpuXid" in names, names  # Xid 13 is not critical: a warning
     # The hang the job recovered from in seconds stops paging within a rule
     # interval or two (1 s here) of its resolution, not minutes later.
-    [hang] = [e for e in events(home, JOB) if e["kind"] == "hang"]
+    [hang] = [e for e in events(home, JOB) if e.kind == "hang"]
     hung = [s for s in fired if s["metric"]["alertname"] == "TrainwatchJobHung"]
     last_firing = max(float(t) for s in hung for t, _ in s["values"])
-    assert hang["status"] == "resolved" and last_firing <= hang["resolved_time"] + 5.0, (
-        last_firing - hang["resolved_time"])
+    assert hang.status == "resolved" and last_firing <= hang.resolution.time + 5.0, (
+        last_firing - hang.resolution.time)
     groups = requests.get(f"{url}/api/v1/rules", timeout=10).json()["data"]["groups"]
     rules = [rule for g in groups for rule in g["rules"]]
     assert len(rules) == len(alert_rules())

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from trainwatch import state
+from trainwatch.slots import CollectiveGroup
 from trainwatch.cli import main
+from trainwatch.rankrow import RankRow
+from trainwatch.records import HardwareFinding, Incident, Resolution
 from trainwatch.diagnostics.goodput import GoodputLedger
 from trainwatch.diagnostics.stack_groups import StackGroup
 from trainwatch.diagnostics.verdict import decide
 
 
 def row(rank, step=20, phase="backward", idle=8.0, hb=0.1, enq=40, **kw):
-    r = {"rank": rank, "node": "n", "pid": 100 + rank, "step": step, "phase": phase, "step_s": 0.1,
-         "last_progress_s": idle, "heartbeat_age_s": hb, "state": "sleeping",
-         "collectives": {"enqueued": enq, "completed": enq - 1, "last_op": "allreduce"}}
-    r.update(kw)
-    return r
+    """A rank row as diagnose hands it to the verdict (its process seen sleeping)."""
+    kw = {"node": "n", "pid": 100 + rank, "step_s": 0.1, "state": "sleeping",
+          "groups": (CollectiveGroup(0, enq, enq - 1, "allreduce"),)} | kw
+    return RankRow(rank, step=step, phase=phase, last_progress_s=idle, heartbeat_age_s=hb, **kw)
 
 
 def test_healthy_when_steps_advance():
@@ -62,16 +65,17 @@ def test_everyone_in_the_same_collective_names_no_culprit():
 
 
 def test_hardware_fault_wins():
-    hw = [{"gpu": 1, "xid": 79, "meaning": "fallen off the bus", "severity": "critical", "rank": 1,
-           "action": "reboot_node", "kind": "xid"}]
+    hw = [HardwareFinding("xid", "critical", gpu=1, xid=79, meaning="fallen off the bus", rank=1,
+                          action="reboot_node")]
     v = decide([row(r) for r in range(4)], hardware=hw)
     assert v.category == "xid" and v.culprit_ranks == [1] and v.runbook == "gpu-xid"
 
 
 def test_mismatch_incident_is_the_verdict_until_a_restart():
-    inc = [{"kind": "collective_mismatch", "culprit_ranks": [3], "summary": "rank 3 issued fewer collectives"}]
+    inc = [Incident("collective_mismatch", [3], summary="rank 3 issued fewer collectives")]
     assert decide([row(r, idle=0.1) for r in range(4)], incidents=inc).category == "collective_mismatch"
-    after = inc + [{"kind": "restart", "culprit_ranks": [3]}]
+    # Its restart's ranks stepped: the sidecar resolved it.
+    after = [dataclasses.replace(inc[0], resolution=Resolution(reason="its ranks restarted")), Incident("restart", [3])]
     assert decide([row(r, idle=0.1) for r in range(4)], incidents=after).category == "healthy"
 
 
@@ -144,11 +148,11 @@ def test_job_phase_at_the_edges():
     now = _time.time()
     job = {"status": "running", "start_time": now - 3, "workers_started_time": now - 2, "nproc_per_node": 2,
            "ranks": [{"rank": 0}, {"rank": 1}]}
-    importing = [{"rank": 0, "step": 0, "phase": "init", "batches": 0}]
+    importing = [RankRow(0, step=0, phase="init", batches=0)]
     assert phase_of_job(job, importing, True) == "starting"  # one of two attached, none stepped
-    first_batches = [{"rank": r, "step": 0, "phase": "eval", "batches": 3} for r in (0, 1)]
+    first_batches = [RankRow(r, step=0, phase="eval", batches=3) for r in (0, 1)]
     assert phase_of_job(job, first_batches, True) == "running"  # working: a verdict is due
-    done = [{"rank": r, "step": 50, "phase": "done"} for r in (0, 1)]
+    done = [RankRow(r, step=50, phase="done") for r in (0, 1)]
     assert phase_of_job(job, done, True) == "finished"
     assert phase_of_job({**job, "status": "restarting"}, done, True) == "restarting"
     old = {**job, "workers_started_time": now - 600}
@@ -228,9 +232,7 @@ def test_verdict_and_hang_detector_name_the_same_culprit():
         view = job.at(t0 + 7.0)
         set_rows(view.table, 2, heartbeat_mono=t0 + 7.0 - hb_age)
         [incident] = det.check(view)
-        rows = rankrow.rows_json(rankrow.decode(view.table, view.now))
-        for r in rows:
-            r["state"] = "sleeping"
+        rows = [dataclasses.replace(r, state="sleeping") for r in rankrow.decode(view.table, view.now)]
         assert decide(rows).culprit_ranks == incident.culprit_ranks == [2], stuck_phase
 
 
@@ -286,7 +288,7 @@ def test_a_large_jobs_report_is_summarised_unless_all_ranks(home, capsys):
 def test_a_small_jobs_report_lists_every_rank():
     from trainwatch.diagnostics.rank_summary import summarise
 
-    report = {"verdict": {"culprit_ranks": []}, "stack_groups": [], "ranks": [row(r) for r in range(64)]}
+    report = {"verdict": {"culprit_ranks": []}, "stack_groups": [], "ranks": [row(r).to_json() for r in range(64)]}
     assert summarise(report) is report
 
 

@@ -51,17 +51,17 @@ def test_stopped_rank_is_named_stopped_and_torn_down_fast(tmp_path):
         pid = rank_pid(tmp_path, job, 1)
         os.kill(pid, signal.SIGSTOP)
         stopped_seen = wait_for(lambda: (diagnose(tmp_path, job) or {}).get("verdict", {}).get("category")
-                                in ("stopped", "hang") or [e for e in events(tmp_path, job) if e["kind"] == "hang"],
+                                in ("stopped", "hang") or [e for e in events(tmp_path, job) if e.kind == "hang"],
                                 60, interval=0.5, what="the stopped rank noticed")
         assert stopped_seen
-        hang = wait_for(lambda: [e for e in events(tmp_path, job) if e["kind"] == "hang"], 60, what="hang incident")[0]
-        assert hang["culprit_ranks"] == [1]
-        assert hang["category"] == "stopped" and hang["runbook"] == "stopped", hang["summary"]
-        restart = wait_for(lambda: [e for e in events(tmp_path, job) if e["kind"] == "restart"], 90,
+        hang = wait_for(lambda: [e for e in events(tmp_path, job) if e.kind == "hang"], 60, what="hang incident")[0]
+        assert hang.culprit_ranks == [1]
+        assert hang.category == "stopped" and hang.runbook == "stopped", hang.summary
+        restart = wait_for(lambda: [e for e in events(tmp_path, job) if e.kind == "restart"], 90,
                            what="the restart")[0]
-        assert restart["evidence"]["breakdown"]["teardown_s"] < 5.0, restart["evidence"]["breakdown"]
-        assert restart["evidence"]["steps_lost"] is None  # zero-code: where it resumed is the script's business
-        assert "restarted from its own checkpoint" in restart["summary"]
+        assert restart.evidence["breakdown"]["teardown_s"] < 5.0, restart.evidence["breakdown"]
+        assert restart.evidence["steps_lost"] is None  # zero-code: where it resumed is the script's business
+        assert "restarted from its own checkpoint" in restart.summary
     finally:
         stop_group(proc)
 
@@ -86,13 +86,13 @@ def test_the_same_hang_after_a_restart_only_alerts(tmp_path):
     proc = start(tmp_path, "launch", "--nproc-per-node", "2", "--job", job, PLAIN, "--steps", "100000",
                  "--sleep", "0.02", "--hang-at", "20", "--hang-rank", "1")
     try:
-        hangs = wait_for(lambda: [e for e in events(tmp_path, job) if e["kind"] == "hang"][1:], 180,
+        hangs = wait_for(lambda: [e for e in events(tmp_path, job) if e.kind == "hang"][1:], 180,
                          what="the hang a second time")
-        first, second = [e for e in events(tmp_path, job) if e["kind"] == "hang"][:2]
-        assert first["culprit_ranks"] == second["culprit_ranks"] == [1]
-        assert first["restart"]["requested"] is not False
-        assert second["restart"]["requested"] is False
-        assert "came back after restart 1" in second["restart"]["why"]
+        first, second = [e for e in events(tmp_path, job) if e.kind == "hang"][:2]
+        assert first.culprit_ranks == second.culprit_ranks == [1]
+        assert first.restart.requested is not False
+        assert second.restart.requested is False
+        assert "came back after restart 1" in second.restart.why
         during = diagnose(tmp_path, job)  # still hung, alerting: the verdict names the culprit
         assert during["verdict"]["culprit_ranks"] == [1], during["verdict"]
         time.sleep(0)  # nothing to wait for: the agent has not restarted again
@@ -109,8 +109,8 @@ def test_collective_skip_in_an_unmodified_ddp_script(tmp_path):
     r = subprocess.run([str(BIN / "trainwatch"), "launch", "--nproc-per-node", "2", "--job", job, "--no-restart",
                         "--inject", "hang:where=collective_skip,rank=1,step=10", PLAIN, "--steps", "40",
                         "--sleep", "0.1"], env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
-    found = [e for e in events(tmp_path, job) if e["kind"] == "collective_mismatch"]
+    found = [e for e in events(tmp_path, job) if e.kind == "collective_mismatch"]
     assert found, r.stdout[-3000:]
-    assert found[0]["culprit_ranks"] == [1]
-    assert found[0]["evidence"]["source"] == "default_pg_seq"
+    assert found[0].culprit_ranks == [1]
+    assert found[0].evidence["source"] == "default_pg_seq"
     assert "never fired" not in r.stderr

@@ -26,7 +26,7 @@ def run_fault(tmp_path, job, inject, kind, *, extra=(), timeout=120, diagnose=No
                  *extra, *TRAINER)
     try:
         t0 = time.monotonic()
-        found = wait_for(lambda: [e for e in events(tmp_path, job) if e["kind"] == kind], timeout,
+        found = wait_for(lambda: [e for e in events(tmp_path, job) if e.kind == kind], timeout,
                          what=f"{kind} incident for {inject}")
         latency = time.monotonic() - t0
         incident = found[0]
@@ -64,9 +64,9 @@ def test_hang_detected_and_diagnosed(tmp_path, where, kind, category):
     incident, report, _ = run_fault(
         tmp_path, f"hang-{where}", f"hang:where={where},rank={CULPRIT},step=8", kind, diagnose=True
     )
-    assert incident["culprit_ranks"] == [CULPRIT], incident
+    assert incident.culprit_ranks == [CULPRIT], incident
     if kind == "hang":
-        assert CULPRIT not in incident["victims"]
+        assert CULPRIT not in incident.victims
     v = report["verdict"]
     assert report["_seconds"] < 10, report["_seconds"]
     assert v["category"] == category, v
@@ -84,21 +84,21 @@ def test_hang_detected_and_diagnosed(tmp_path, where, kind, category):
 
 def test_crash_names_rank_and_signal(tmp_path):
     incident, _, _ = run_fault(tmp_path, "crash", f"crash:rank={CULPRIT},step=8", "crash")
-    assert incident["culprit_ranks"] == [CULPRIT]
-    assert "SIGKILL" in incident["summary"] or incident["evidence"].get("signal") == "SIGKILL"
+    assert incident.culprit_ranks == [CULPRIT]
+    assert "SIGKILL" in incident.summary or incident.evidence.get("signal") == "SIGKILL"
 
 
 def test_straggler(tmp_path):
     incident, _, _ = run_fault(tmp_path, "straggler", f"straggler:delay=0.3,rank={CULPRIT},step=5", "straggler")
-    assert incident["culprit_ranks"] == [CULPRIT]
-    assert incident["evidence"]["slowdown_ratio"] > 2
+    assert incident.culprit_ranks == [CULPRIT]
+    assert incident.evidence["slowdown_ratio"] > 2
 
 
 @pytest.mark.parametrize("kind, inject", [("loss_nan", "nan"), ("loss_spike", "spike")])
 def test_loss_health(tmp_path, kind, inject):
     # step 60: the spike detector judges against a baseline of >= 20 observed steps
     incident, _, _ = run_fault(tmp_path, inject, f"{inject}:rank={CULPRIT},step=60", kind)
-    assert incident["culprit_ranks"] == [CULPRIT]
+    assert incident.culprit_ranks == [CULPRIT]
 
 
 @pytest.mark.parametrize("inject, kind, metric", [("xid:code=79,", "xid", "trainwatch_gpu_xid_errors_total"),
@@ -114,13 +114,13 @@ def test_hardware_fault(tmp_path, inject, kind, metric):
     proc = start(tmp_path, "launch", "--nproc-per-node", "4", "--job", job, "--no-restart", "--kernel-log", str(klog),
                  "--inject", f"{inject}rank={CULPRIT},step=5", *TRAINER)
     try:
-        [incident] = wait_for(lambda: [e for e in events(tmp_path, job) if e["kind"] == kind], 120, what=kind)
+        [incident] = wait_for(lambda: [e for e in events(tmp_path, job) if e.kind == kind], 120, what=kind)
         fired = json.loads((tmp_path / "jobs" / job / "control" / "faults.jsonl").read_text().splitlines()[0])
-        assert incident["detected_mono"] - fired["mono"] < 5.0
-        assert incident["culprit_ranks"] == [CULPRIT]
+        assert incident.detected_mono - fired["mono"] < 5.0
+        assert incident.culprit_ranks == [CULPRIT]
         if kind == "xid":
-            assert incident["evidence"]["xid"] == 79 and "GPU has fallen off the bus" in klog.read_text()
-            assert incident["evidence"]["action"] == "reboot_node"
+            assert incident.evidence["xid"] == 79 and "GPU has fallen off the bus" in klog.read_text()
+            assert incident.evidence["action"] == "reboot_node"
         addr = job_json(tmp_path, job)["metrics"]
 
         def scraped():
@@ -144,7 +144,7 @@ def test_diagnose_eight_hung_ranks_within_ten_seconds(tmp_path):
     proc = start(tmp_path, "launch", "--nproc-per-node", "8", "--job", "eight", "--no-restart",
                  "--inject", "hang:where=dataloader,rank=5,step=6", *TRAINER)
     try:
-        wait_for(lambda: [e for e in events(tmp_path, "eight") if e["kind"] == "hang"], 180, what="hang")
+        wait_for(lambda: [e for e in events(tmp_path, "eight") if e.kind == "hang"], 180, what="hang")
         t0 = time.monotonic()
         r = subprocess.run([str(BIN / "trainwatch"), "diagnose", "eight", "--json"], env=env_for(tmp_path),
                            capture_output=True, text=True, timeout=60)

@@ -147,15 +147,15 @@ def test_a_real_job_with_one_hang_reports_badput_in_the_right_buckets(tmp_path):
                    "--ckpt-dir", str(tmp_path / "ckpt"), timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recorded = events(tmp_path, "gp")
-    [hang] = [e for e in recorded if e["kind"] == "hang"]
-    [restart] = [e for e in recorded if e["kind"] == "restart"]
-    ev = restart["evidence"]
+    [hang] = [e for e in recorded if e.kind == "hang"]
+    [restart] = [e for e in recorded if e.kind == "restart"]
+    ev = restart.evidence
     gp = json.loads((tmp_path / "jobs" / "gp" / "telemetry.json").read_text())["goodput"]
     bad = gp["badput_s"]
     assert gp["productive_s"] + sum(bad.values()) == pytest.approx(gp["wall_s"], abs=0.01)
     assert bad["detection"] == pytest.approx(ev["breakdown"]["detect_s"], abs=0.05)
     # no progress for the threshold in force before it is called: the steady job's (1.5 s) at step 30
-    assert bad["detection"] >= 1.4 and hang["evidence"]["threshold_s"] <= bad["detection"] + 0.2
+    assert bad["detection"] >= 1.4 and hang.evidence["threshold_s"] <= bad["detection"] + 0.2
     assert bad["capture_checkpoint"] == pytest.approx(
         ev["breakdown"]["capture_s"] + ev["breakdown"]["checkpoint_s"], abs=0.1)
     # fault to first new step: detection + capture and checkpoint + restart (the sidecar
@@ -168,4 +168,4 @@ def test_a_real_job_with_one_hang_reports_badput_in_the_right_buckets(tmp_path):
     assert line and "to 1 hang" in line[-1] and "to restarts" in line[-1], r.stdout[-2000:]
     d = trainwatch(tmp_path, "diagnose", "gp", "--json")
     assert d.returncode == 0 and json.loads(d.stdout)["goodput"]["ratio"] == gp["ratio"]
-    assert hang["culprit_ranks"] == [1]
+    assert hang.culprit_ranks == [1]

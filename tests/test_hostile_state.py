@@ -236,22 +236,8 @@ def test_job_dir_readers_type_what_they_return(home, files):
     d = state.JobDir(JOB)
     job = d.read_job()
     assert job is None or isinstance(job, dict)
-    for i in d.incidents():
-        assert isinstance(i["kind"], str)
-        for key in ("culprit_ranks", "victims"):
-            assert key not in i or (isinstance(i[key], list) and all(is_int(r) for r in i[key]))
-        for key in ("summary", "runbook", "category", "severity", "time", "node", "job"):
-            assert i.get(key) is None or isinstance(i[key], str)
-        for key in ("evidence", "restart"):
-            assert i.get(key) is None or isinstance(i[key], dict)
-        if i.get("verdict") is not None:
-            v = i["verdict"]
-            assert isinstance(v, dict)
-            assert v.get("category") is None or isinstance(v["category"], str)
-            assert all(is_int(r) for r in v.get("culprit_ranks", []))
-            assert v.get("confidence") is None or is_num(v["confidence"])
-            assert isinstance(v.get("evidence", []), list)
-        json.dumps(i, indent=2)  # nothing nested too deep to print
+    for i in d.incidents():  # each field checked by the codec (test_codec.py)
+        json.dumps(i.view(), indent=2)  # nothing nested too deep to print
     assert isinstance(d.telemetry(), dict)
     n, series = d.read_history()
     assert n >= 0
@@ -494,7 +480,7 @@ def one_error_line_or_success(rc: int, err: str) -> None:
                 "history/n0.jsonl": b'{"t": 1e300, "r": [[0, 1, 1, 1, "x", 1, 1]]}\n{"t": -1e300, "r": []}'})
 @given(files=job_files)
 def test_commands_on_a_hostile_job_directory_succeed_or_say_one_error_line(home, tmp_path, monkeypatch, capsys, files):
-    monkeypatch.setattr(diagnose, "capture_ranks", lambda rows, **kw: ([], tmp_path, {}))  # never py-spy here
+    monkeypatch.setattr(diagnose, "capture_ranks", lambda rows, **kw: ([], tmp_path, {}, rows))  # never py-spy here
     path = write_job(home, files)
     before = snapshot(path)
     out = tmp_path / "page.html"

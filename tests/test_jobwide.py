@@ -4,12 +4,15 @@ the aggregator's job table and detectors, node loss on an injected clock."""
 from __future__ import annotations
 
 
+import dataclasses
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainwatch import slots
 from trainwatch.jobstore import JobStore
+from trainwatch.records import Incident
 from trainwatch.watchdog.detectors import default_detectors
 from trainwatch.watchdog.engine import DetectorEngine, _SyntheticJob
 from trainwatch.watchdog.jobwide import (
@@ -114,7 +117,7 @@ def test_what_a_node_says_explains_its_stall_mutes_the_job_hang(store):
     word is the hang of the test above)."""
     restarting = node_causes("n1", True, [])
     assert restarting == {"a restart under way on n1": ["collective_mismatch", "hang", "straggler"]}
-    crash = node_causes("n1", False, [{"kind": "crash", "culprit_ranks": [3]}])
+    crash = node_causes("n1", False, [Incident("crash", [3])])
     assert crash == {"the crash on n1": ["collective_mismatch", "hang"]}
     for causes in (restarting, crash):
         agg, found = _stalled_job(store, causes_until=200, causes=causes)
@@ -123,8 +126,8 @@ def test_what_a_node_says_explains_its_stall_mutes_the_job_hang(store):
 
 
 def test_a_node_says_only_its_own_open_causes():
-    open_here = [{"kind": "crash", "scope": "job"}, {"kind": "straggler"}, {"kind": "loss_nan"},
-                 {"kind": "hang", "culprit_ranks": [1]}]
+    open_here = [Incident("crash", [], scope="job"), Incident("straggler", []), Incident("loss_nan", []),
+                 Incident("hang", [1])]
     assert node_causes("n0", False, open_here) == {"the hang on n0": ["collective_mismatch"]}
     # What another writer put in a summary's causes is kept only where it names kinds the aggregator judges.
     table = _SyntheticJob(2).advance().table
@@ -168,12 +171,12 @@ def test_job_incidents_are_taken_once_by_every_node(store):
 def test_a_job_incident_a_node_already_has_open_is_not_a_second_one():
     from trainwatch.watchdog.jobwide import told_here
 
-    local = {"id": "n0-1", "kind": "hang", "culprit_ranks": [1], "node": "n0"}  # its process state: stopped
-    job = {"id": "job-7", "kind": "hang", "culprit_ranks": [1], "scope": "job"}
+    local = Incident("hang", [1], id="n0-1", node="n0")  # its process state: stopped
+    job = Incident("hang", [1], id="job-7", scope="job")
     assert told_here(job, [local])
     assert not told_here(job, [])  # the other node records the job's
-    assert not told_here(job | {"culprit_ranks": [2]}, [local])
-    assert not told_here(job | {"kind": "collective_mismatch"}, [local])
-    assert not told_here(job | {"culprit_ranks": []}, [local | {"culprit_ranks": []}])
-    assert not told_here(job, [local | {"scope": "job"}])  # a job incident is not this node's own
+    assert not told_here(dataclasses.replace(job, culprit_ranks=[2]), [local])
+    assert not told_here(dataclasses.replace(job, kind="collective_mismatch"), [local])
+    assert not told_here(dataclasses.replace(job, culprit_ranks=[]), [dataclasses.replace(local, culprit_ranks=[])])
+    assert not told_here(job, [dataclasses.replace(local, scope="job")])  # a job incident is not this node's own
 

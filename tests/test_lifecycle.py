@@ -5,6 +5,8 @@ gauge and the verdict that reads it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,7 +14,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from slot_tables import make_table, set_rows, view
 
-from trainwatch import kinds, records
+from trainwatch import kinds, records, slots
+from trainwatch.rankrow import RankRow
 from trainwatch.diagnostics import verdict
 from trainwatch.watchdog import engine as engine_mod
 from trainwatch.watchdog.detectors.base import Detector
@@ -143,10 +146,11 @@ def test_events_merge_into_one_record_per_incident():
         {"kind": "resolved", "incident": "a", "time": 5.0, "duration_s": 7.5, "count": 12, "reason": "its ranks restarted"},
         {"kind": "restart", "id": "r1", "incident": "a", "summary": "restart 1"},
     ]
-    merged = records.merge_events(events)
-    a, b, r = merged
-    assert (a["status"], a["duration_s"], a["count"], a["runbook"]) == ("resolved", 7.5, 12, "dataloader-stall")
-    assert b["status"] == "open" and "status" not in r
+    a, b, r = records.read_events(events)
+    assert (a.status, a.resolution.duration_s, a.resolution.count, a.runbook) == ("resolved", 7.5, 12,
+                                                                                  "dataloader-stall")
+    assert a.verdict.category == "dataloader" and a.view()["resolution"] == "its ranks restarted"
+    assert b.status == "open" and r.status == "" and r.incident == "a" and "status" not in r.view()
 
 
 @settings(max_examples=200, deadline=None)
@@ -157,9 +161,9 @@ def test_events_merge_into_one_record_per_incident():
                                           st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2))),
                 max_size=12))
 def test_hostile_events_merge_without_a_traceback(events):
-    for record in records.merge_events(events):
-        assert isinstance(record["kind"], str)
-        assert record.get("status") in (None, "open", "resolved")
+    for incident in records.read_events(events):
+        assert isinstance(incident, records.Incident) and isinstance(incident.kind, str)
+        assert incident.status in ("", "open", "resolved")
 
 
 class OpenSource:
@@ -175,8 +179,8 @@ class OpenSource:
 def test_open_gauge_counts_open_incidents_from_zero():
     import time
 
-    source = OpenSource([{"kind": "straggler", "severity": "medium", "opened_time": time.time() - 42},
-                         {"kind": "hang", "severity": "high", "opened_time": time.time() - 3}])
+    source = OpenSource([Incident("straggler", [], severity="medium", opened_time=time.time() - 42),
+                         Incident("hang", [], severity="high", opened_time=time.time() - 3)])
     text = "\n".join(f"{m.name} {s.labels} {s.value}" for m in _open_incidents("j", source) for s in m.samples)
     assert "trainwatch_incident_open {'trainwatch_job': 'j', 'node': 'n', 'kind': 'straggler', 'severity': 'medium'} 1.0" in text
     assert "trainwatch_incident_open {'trainwatch_job': 'j', 'node': 'n', 'kind': 'loss_nan', 'severity': 'critical'} 0.0" in text
@@ -188,10 +192,9 @@ def test_open_gauge_counts_open_incidents_from_zero():
 # ---- one judge -------------------------------------------------------------------------
 
 
-def rows(ages, step_s=0.1):
-    return [{"rank": r, "step": 100, "phase": "data", "last_progress_s": a, "step_s": step_s,
-             "heartbeat_age_s": 0.1, "collectives": {"enqueued": 10, "completed": 10, "last_op": "allreduce"}}
-            for r, a in enumerate(ages)]
+def rows(ages, step_s=0.1, **kw):
+    return [RankRow(r, step=100, phase="data", last_progress_s=a, step_s=step_s, heartbeat_age_s=0.1,
+                    groups=(slots.CollectiveGroup(0, 10, 10, "allreduce"),), **kw) for r, a in enumerate(ages)]
 
 
 def test_a_rank_idle_short_of_the_threshold_is_suspect_not_healthy():
@@ -209,31 +212,33 @@ def test_the_thresholds_in_force_decide_when_a_rank_is_hung():
     assert v.category not in ("healthy", "suspect") and v.culprit_ranks == [1]
 
 
+def resolved(incident: Incident) -> Incident:
+    """The same incident once a `resolved` record names it."""
+    return dataclasses.replace(incident, resolution=records.Resolution(reason="its ranks made progress"))
+
+
 def test_never_healthy_while_an_incident_is_open():
-    fault = {"kind": "hang", "id": "n-1-1", "culprit_ranks": [1], "summary": "rank 1 stuck", "runbook": "hang",
-             "category": "dataloader", "status": "open"}
+    fault = Incident("hang", [1], id="n-1-1", summary="rank 1 stuck", runbook="hang", category="dataloader")
     v = verdict.decide(rows([0.05, 0.05]), incidents=[fault])
     assert (v.category, v.culprit_ranks, v.runbook) == ("dataloader", [1], "hang") and "n-1-1" in v.summary
-    slow = {"kind": "straggler", "id": "n-1-2", "culprit_ranks": [2], "summary": "rank 2 slow", "runbook": "straggler",
-            "status": "open"}
+    slow = Incident("straggler", [2], id="n-1-2", summary="rank 2 slow", runbook="straggler")
     v = verdict.decide(rows([0.05, 0.05]), incidents=[slow])
     assert (v.category, v.culprit_ranks) == ("straggler", [2])
-    v = verdict.decide(rows([0.05, 0.05]), incidents=[fault | {"status": "resolved"}, slow | {"status": "resolved"}])
+    v = verdict.decide(rows([0.05, 0.05]), incidents=[resolved(fault), resolved(slow)])
     assert v.category == "healthy"
 
 
 def test_a_fault_still_open_across_its_restart_is_not_healthy():
     """The restarted ranks step before the sidecar's next round closes the hang:
     diagnose says recovering, not healthy, until the incident is resolved."""
-    fault = {"kind": "hang", "id": "n-1-1", "culprit_ranks": [1], "summary": "rank 1 stuck", "runbook": "hang",
-             "category": "dataloader", "status": "open"}
-    restart = {"kind": "restart", "incident": "n-1-1"}
+    fault = Incident("hang", [1], id="n-1-1", summary="rank 1 stuck", runbook="hang", category="dataloader")
+    restart = Incident("restart", [], incident="n-1-1")
     v = verdict.decide(rows([0.05, 0.05]), incidents=[fault, restart])
     assert (v.category, v.culprit_ranks, v.runbook) == ("dataloader", [1], "hang")
     assert v.summary.startswith("recovering after") and "n-1-1" in v.summary
-    assert verdict.decide(rows([0.05, 0.05]), incidents=[fault | {"status": "resolved"}, restart]).category == "healthy"
+    assert verdict.decide(rows([0.05, 0.05]), incidents=[resolved(fault), restart]).category == "healthy"
     # An alert that was open before the restart is not carried: the new run has its own.
-    slow = {"kind": "straggler", "id": "n-1-2", "culprit_ranks": [1], "summary": "rank 1 slow", "status": "open"}
+    slow = Incident("straggler", [1], id="n-1-2", summary="rank 1 slow")
     assert verdict.decide(rows([0.05, 0.05]), incidents=[slow, restart]).category == "healthy"
 
 
@@ -241,9 +246,9 @@ def test_ranks_torn_down_for_a_restart_are_not_a_new_failure():
     """Between the watchdog stopping the ranks and the agent marking the job
     restarting, every pid is gone: the verdict is the open fault, not
     `child_failed` of every rank."""
-    fault = {"kind": "hang", "id": "n-1-1", "culprit_ranks": [1], "summary": "rank 1 stuck", "runbook": "hang",
-             "category": "dataloader", "status": "open", "restart": {"requested": True}}
-    gone = [r | {"pid": 100 + r["rank"], "state": "gone"} for r in rows([0.05, 0.05])]
+    fault = Incident("hang", [1], id="n-1-1", summary="rank 1 stuck", runbook="hang", category="dataloader",
+                     restart=records.RestartDecision(requested=True))
+    gone = [dataclasses.replace(r, pid=100 + r.rank, state="gone") for r in rows([0.05, 0.05])]
     v = verdict.decide(gone, incidents=[fault])
     assert (v.category, v.culprit_ranks) == ("dataloader", [1]) and v.summary.startswith("restarting after")
     assert verdict.decide(gone).category == "child_failed"
@@ -255,12 +260,13 @@ def test_a_rank_idle_many_of_its_steps_is_suspect_within_a_second():
     checkpoint's pause is judged against the threshold in force."""
     thresholds = {"hang": {"floor_s": 5.0, "k": 5.0, "ranks": {str(r): 5.0 for r in range(3)}}}
     ranks = rows([0.8, 0.8, 0.8])
-    ranks[0]["phase"] = ranks[2]["phase"] = "collective"
+    ranks[0] = dataclasses.replace(ranks[0], phase="collective")
+    ranks[2] = dataclasses.replace(ranks[2], phase="collective")
     v = verdict.decide(ranks, thresholds=thresholds)
     assert v.category == "suspect" and v.culprit_ranks == [1], v
     assert verdict.decide(rows([0.3, 0.3, 0.3]), thresholds=thresholds).category == "healthy"
     saving = rows([0.05, 1.5, 0.05])
-    saving[1]["phase"] = "checkpoint"
+    saving[1] = dataclasses.replace(saving[1], phase="checkpoint")
     assert verdict.decide(saving, thresholds=thresholds).category == "healthy"
 
 

@@ -79,7 +79,7 @@ def test_a_hang_is_one_story_in_every_reader(tmp_path, floor):
             if report is not None:
                 polls.append(((asked, time.time()), report))
             time.sleep(0.5)
-            done = [e for e in events(tmp_path, job) if e["kind"] == "hang" and e.get("status") == "resolved"]
+            done = [e for e in events(tmp_path, job) if e.kind == "hang" and e.status == "resolved"]
             return bool(done)
 
         wait_for(hang_seen, 240, interval=0.0, what="the hang to be detected, restarted and resolved")
@@ -90,19 +90,19 @@ def test_a_hang_is_one_story_in_every_reader(tmp_path, floor):
         stop_group(proc)
         reap(tmp_path)
     console = log_path.read_text()
-    hangs = [e for e in events(tmp_path, job) if e["kind"] == "hang"]
+    hangs = [e for e in events(tmp_path, job) if e.kind == "hang"]
     assert len(hangs) == 1, hangs  # one fault, one incident
     hang = hangs[0]
-    assert hang["culprit_ranks"] == [1] and hang["status"] == "resolved" and hang["duration_s"] >= 0
-    assert not [e for e in events(tmp_path, job) if e["kind"] == "collective_mismatch"]
+    assert hang.culprit_ranks == [1] and hang.status == "resolved" and hang.resolution.duration_s >= 0
+    assert not [e for e in events(tmp_path, job) if e.kind == "collective_mismatch"]
     # The console said it once, with the same id and runbook, and said when it was over.
     said = [line for line in console.splitlines() if "INCIDENT hang" in line]
-    assert len(said) == 1 and f"[{hang['id']}]" in said[0], said
-    assert f"RESOLVED hang {hang['id']}" in console
-    assert "INCIDENT restart" not in console and f"RECOVERED after hang {hang['id']}" in console
+    assert len(said) == 1 and f"[{hang.id}]" in said[0], said
+    assert f"RESOLVED hang {hang.id}" in console
+    assert "INCIDENT restart" not in console and f"RECOVERED after hang {hang.id}" in console
     # diagnose: never healthy while the incident was open, and naming it.
-    opened = hang["opened_time"]
-    resolved = hang["resolved_time"]
+    opened = hang.opened_time
+    resolved = hang.resolution.time
     # A poll that ran wholly while the incident was open (one that began before
     # the resolution was written may have read it).
     during = [r for (begin, end), r in polls if opened <= begin and end <= resolved]
@@ -110,9 +110,9 @@ def test_a_hang_is_one_story_in_every_reader(tmp_path, floor):
         (r["status"], r["verdict"]) for r in during]
     named = [r for r in during if r["verdict"]["culprit_ranks"]]
     assert all(r["verdict"]["culprit_ranks"] == [1] for r in named), [r["verdict"] for r in named]
-    assert all(r["verdict"]["runbook"] == hang["runbook"] for r in named if r["status"] != "running"), (
-        hang["runbook"], [r["verdict"] for r in named])
-    listed = [i for _, r in polls for i in r["incidents"] if i.get("id") == hang["id"]]
+    assert all(r["verdict"]["runbook"] == hang.runbook for r in named if r["status"] != "running"), (
+        hang.runbook, [r["verdict"] for r in named])
+    listed = [i for _, r in polls for i in r["incidents"] if i.get("id") == hang.id]
     assert listed and {i["kind"] for i in listed} == {"hang"}
     # The exporter said it was open, and no more once it was resolved.
     assert any(g.get("hang") == 1.0 for g in gauges), gauges
@@ -126,7 +126,7 @@ def test_a_persistent_straggler_and_a_nan_streak_are_one_incident_each(tmp_path)
                             "--inject", "nan:rank=0,step=15", *TRAINER, "--max-steps", "100000")
     try:
         t0 = time.monotonic()
-        wait_for(lambda: [e for e in events(tmp_path, job) if e["kind"] == "straggler"], 120, what="a straggler")
+        wait_for(lambda: [e for e in events(tmp_path, job) if e.kind == "straggler"], 120, what="a straggler")
         rec = wait_for(lambda: (job_json(tmp_path, job) or {}).get("metrics") and job_json(tmp_path, job), 30,
                        what="the exporter")
         # 60 s of a persistent straggler (and a loss that stays NaN from step 15 on)
@@ -138,9 +138,9 @@ def test_a_persistent_straggler_and_a_nan_streak_are_one_incident_each(tmp_path)
     finally:
         stop_group(proc)
         reap(tmp_path)
-    stragglers = [e for e in events(tmp_path, job) if e["kind"] == "straggler"]
-    nans = [e for e in events(tmp_path, job) if e["kind"] == "loss_nan"]
-    assert len(stragglers) == 1 and stragglers[0]["culprit_ranks"] == [1], stragglers
+    stragglers = [e for e in events(tmp_path, job) if e.kind == "straggler"]
+    nans = [e for e in events(tmp_path, job) if e.kind == "loss_nan"]
+    assert len(stragglers) == 1 and stragglers[0].culprit_ranks == [1], stragglers
     assert len(nans) == 1, nans
     assert gauge.get("straggler") == 1.0 and gauge.get("loss_nan") == 1.0, gauge
     assert report is not None and report["verdict"]["category"] in ("straggler", "loss_nan"), report["verdict"]
@@ -159,7 +159,7 @@ def test_node_name_names_the_node_everywhere(tmp_path):
         reap(tmp_path)
     rec = job_json(tmp_path, job) or json.loads((tmp_path / "jobs" / job / "nodes" / "nodeA" / "job.json").read_text())
     assert {r["node"] for r in rec["ranks"]} == {"nodeA"}, rec["ranks"]
-    crash = [e for e in events(tmp_path, job) if e["kind"] == "crash"]
+    crash = [e for e in events(tmp_path, job) if e.kind == "crash"]
     assert crash and crash[0]["node"] == "nodeA"
     assert "vm" not in {r.get("node") for r in rec["ranks"]}
 
@@ -192,7 +192,7 @@ def test_a_rank_that_leaves_early_is_the_culprit_not_its_peer(tmp_path):
     finally:
         stop_group(proc)
         reap(tmp_path)
-    crashes = [e for e in events(tmp_path, job) if e["kind"] == "crash"]
+    crashes = [e for e in events(tmp_path, job) if e.kind == "crash"]
     assert len(crashes) == 1, (crashes, log_path.read_text()[-3000:])
-    assert crashes[0]["culprit_ranks"] == [1] and 0 in crashes[0]["victims"], crashes[0]
-    assert "before finishing" in crashes[0]["summary"]
+    assert crashes[0].culprit_ranks == [1] and 0 in crashes[0].victims, crashes[0]
+    assert "before finishing" in crashes[0].summary

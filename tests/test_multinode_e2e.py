@@ -118,12 +118,12 @@ def test_a_hang_on_one_node_is_one_job_incident_and_every_node_resumes_from_one_
     codes = nodes.wait()
     assert codes == [0, 0], nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
     homes = sorted(set(nodes.homes))
-    hangs = [e for home in homes for e in events(home, nodes.job) if e["kind"] == "hang"]
-    assert len({e["id"] for e in hangs}) == 1, hangs  # one incident for the job, recorded on each node
-    assert all(e["culprit_ranks"] == [3] and e["nodes"] == ["n1"] for e in hangs), hangs
+    hangs = [e for home in homes for e in events(home, nodes.job) if e.kind == "hang"]
+    assert len({e.id for e in hangs}) == 1, hangs  # one incident for the job, recorded on each node
+    assert all(e.culprit_ranks == [3] and e.nodes == ["n1"] for e in hangs), hangs
     assert "culprit rank(s) 3 on node n1" in nodes.log(0)
-    restarts = [e for home in homes for e in events(home, nodes.job) if e["kind"] == "restart"]
-    assert len({e["evidence"]["resumed_from_step"] for e in restarts}) == 1, restarts  # the same step everywhere
+    restarts = [e for home in homes for e in events(home, nodes.job) if e.kind == "restart"]
+    assert len({e.evidence["resumed_from_step"] for e in restarts}) == 1, restarts  # the same step everywhere
     assert [node_job(h, nodes.job, f"n{i}")["restarts"] for i, h in enumerate(nodes.homes)] == [1, 1]
     listing = subprocess.run([str(BIN / "trainwatch"), "jobs", "--json"], env=env_for(nodes.homes[0]),
                              capture_output=True, text=True, timeout=60)
@@ -144,13 +144,13 @@ def test_a_lost_node_is_named_and_the_survivor_stops_cleanly(nodes, kill):
     else:
         victim.send_signal(signal.SIGKILL)  # its ranks and sidecar die with it
     t0 = time.monotonic()
-    lost = wait_for(lambda: [e for e in events(nodes.homes[0], nodes.job) if e["kind"] == "node_lost"], 60,
+    lost = wait_for(lambda: [e for e in events(nodes.homes[0], nodes.job) if e.kind == "node_lost"], 60,
                     what="node_lost on node 0")
     took = time.monotonic() - t0
-    assert lost[0]["nodes"] == ["n1"] and lost[0]["culprit_ranks"] == [2, 3], lost
+    assert lost[0].nodes == ["n1"] and lost[0].culprit_ranks == [2, 3], lost
     # The survivors' lost connections are victims of the lost node, never culprits.
-    crashes = [e for e in events(nodes.homes[0], nodes.job) if e["kind"] == "crash"]
-    assert not [e for e in crashes if set(e.get("culprit_ranks") or []) & {0, 1}], crashes
+    crashes = [e for e in events(nodes.homes[0], nodes.job) if e.kind == "crash"]
+    assert not [e for e in crashes if set(e.culprit_ranks or []) & {0, 1}], crashes
     assert took < 15, took  # the hang threshold (5 s) plus the summary interval, with room for a busy machine
     code = nodes.procs[0].wait(timeout=180)
     out = nodes.log(0)
@@ -163,7 +163,7 @@ def test_diagnose_on_node_0_names_the_culprit_on_node_1(tmp_path):
     nodes = Nodes(tmp_path)
     try:
         nodes.start("--no-restart", "--inject", "hang:rank=3,step=15,where=compute", *TRAINER, "--max-steps", "100000")
-        wait_for(lambda: [e for e in events(nodes.homes[0], nodes.job) if e["kind"] == "hang"], 120,
+        wait_for(lambda: [e for e in events(nodes.homes[0], nodes.job) if e.kind == "hang"], 120,
                  what="the job's hang incident on node 0")
         report = diagnose(nodes.homes[0], nodes.job)
         assert report["verdict"]["culprit_ranks"] == [3], report["verdict"]
@@ -214,7 +214,7 @@ def test_an_outsider_without_the_secret_takes_no_action(tmp_path):
         assert rejected and float(rejected[0].split()[-1]) >= 10, rejected
         # Every rank is still in its first run: no incident, capture, checkpoint or restart was taken.
         for i, home in enumerate(nodes.homes):
-            assert [e for e in events(home, nodes.job) if e.get("id") == "forged" or e["kind"] == "hang"] == []
+            assert [e for e in events(home, nodes.job) if e.id == "forged" or e.kind == "hang"] == []
             assert node_job(home, nodes.job, f"n{i}").get("restarts") == 0
         assert remote_captures() == before  # no py-spy run for a forged capture request
         assert "evil" not in json.dumps(diagnose(nodes.homes[0], nodes.job)["ranks"])
@@ -238,10 +238,10 @@ def test_losing_the_rendezvous_host_is_named_on_the_surviving_node(tmp_path):
         assert code != 0 and "succeeded" not in out, out[-3000:]
         assert f"rendezvous host 127.0.0.1:{nodes.port} no longer answers" in out, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
-        lost = [e for e in events(nodes.homes[1], nodes.job) if e["kind"] == "node_lost"]
+        lost = [e for e in events(nodes.homes[1], nodes.job) if e.kind == "node_lost"]
         assert lost and "rendezvous host" in lost[-1]["summary"], lost
-        crashes = [e for e in events(nodes.homes[1], nodes.job) if e["kind"] == "crash"]
-        assert not [e for e in crashes if set(e.get("culprit_ranks") or []) & {2, 3}], crashes
+        crashes = [e for e in events(nodes.homes[1], nodes.job) if e.kind == "crash"]
+        assert not [e for e in crashes if set(e.culprit_ranks or []) & {2, 3}], crashes
     finally:
         nodes.stop()
 
@@ -256,12 +256,12 @@ def test_a_collective_skipped_on_another_node_is_a_mismatch_naming_rank_and_node
         nodes.start("--inject", "hang:where=collective_skip,rank=3,step=15", "--max-restarts", "0",
                     *TRAINER, "--max-steps", "100000")
         found = wait_for(lambda: [e for e in events(nodes.homes[0], nodes.job)
-                                  if e["kind"] in ("collective_mismatch", "hang")], 120, what="the skip's incident")
+                                  if e.kind in ("collective_mismatch", "hang")], 120, what="the skip's incident")
     finally:
         nodes.stop()
     first = found[0]
-    assert first["kind"] == "collective_mismatch", found
-    assert first["culprit_ranks"] == [3] and first.get("nodes") == ["n1"], first
+    assert first.kind == "collective_mismatch", found
+    assert first.culprit_ranks == [3] and first.nodes == ["n1"], first
 
 
 def test_a_stopped_rank_on_two_nodes_is_one_incident_on_each_node(tmp_path):
@@ -271,7 +271,7 @@ def test_a_stopped_rank_on_two_nodes_is_one_incident_on_each_node(tmp_path):
     nodes = Nodes(tmp_path)
     try:
         nodes.start("--inject", "stop:rank=1,step=15", "--no-restart", *TRAINER, "--max-steps", "100000")
-        hangs = lambda i: [e for e in events(nodes.homes[i], nodes.job) if e["kind"] == "hang"]  # noqa: E731
+        hangs = lambda i: [e for e in events(nodes.homes[i], nodes.job) if e.kind == "hang"]  # noqa: E731
         wait_for(lambda: hangs(0), 120, what="node 0's incident for the stopped rank")
         wait_for(lambda: hangs(1), 60, what="the job's hang incident, taken by node 1")
         # Node 0 takes the same job incident in the same store rounds: watch it for a few of them.
@@ -282,7 +282,7 @@ def test_a_stopped_rank_on_two_nodes_is_one_incident_on_each_node(tmp_path):
     finally:
         nodes.stop()
     assert [len(found) for found in per_node] == [1, 1], per_node
-    assert all(found[0]["culprit_ranks"] == [1] for found in per_node), per_node
+    assert all(found[0].culprit_ranks == [1] for found in per_node), per_node
 
 
 def test_a_rank_killed_again_and_again_is_crashes_only_while_both_nodes_restart(tmp_path):
@@ -299,8 +299,8 @@ def test_a_rank_killed_again_and_again_is_crashes_only_while_both_nodes_restart(
     finally:
         nodes.stop()
     assert codes == [0, 0], nodes.log(0)[-3000:] + nodes.log(1)[-3000:]
-    found = [[e for e in events(h, nodes.job) if e["kind"] in ("crash", "hang", "collective_mismatch", "node_lost")]
+    found = [[e for e in events(h, nodes.job) if e.kind in ("crash", "hang", "collective_mismatch", "node_lost")]
              for h in nodes.homes]
-    assert not [e for f in found for e in f if e["kind"] != "crash"], found
-    assert [e["culprit_ranks"] for e in found[1]] == [[3]] * 4, found[1]
+    assert not [e for f in found for e in f if e.kind != "crash"], found
+    assert [e.culprit_ranks for e in found[1]] == [[3]] * 4, found[1]
     assert [node_job(h, nodes.job, f"n{i}")["restarts"] for i, h in enumerate(nodes.homes)] == [4, 4]

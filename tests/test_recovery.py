@@ -41,9 +41,9 @@ def assert_recovered(home, job, ckpt, reference, r):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     rec = job_json(home, job)
     assert rec["status"] == "succeeded" and rec["restarts"] == 1, rec
-    restarts = [e for e in events(home, job) if e["kind"] == "restart"]
+    restarts = [e for e in events(home, job) if e.kind == "restart"]
     assert len(restarts) == 1, events(home, job)
-    ev = restarts[0]["evidence"]
+    ev = restarts[0].evidence
     assert ev["steps_lost"] <= 1, ev
     assert set(ev["breakdown"]) == {"detect_s", "capture_s", "checkpoint_s", "teardown_s", "rendezvous_s",
                                     "load_s", "first_step_s"}
@@ -84,10 +84,10 @@ def test_a_collective_mismatch_recovers_inside_the_ranks_bit_identical(tmp_path,
     rec = job_json(tmp_path, "inproc")
     assert rec["status"] == "succeeded" and rec["restarts"] == 0, rec
     [incident] = events(tmp_path, "inproc")  # each incident with its actions' results merged in
-    assert incident["kind"] == "collective_mismatch" and incident["culprit_ranks"] == [2], incident
-    inproc = incident["in_process"]
-    assert inproc["ok"] is True and inproc["ranks"] == [0, 1, 2, 3] and inproc["step"] >= 29, inproc
-    assert incident["restart"]["requested"] is False and "checkpoint" not in incident, incident
+    assert incident.kind == "collective_mismatch" and incident.culprit_ranks == [2], incident
+    inproc = incident.in_process
+    assert inproc.ok is True and inproc.ranks == [0, 1, 2, 3] and inproc.step >= 29, inproc
+    assert incident.restart.requested is False and incident.checkpoint is None, incident
     assert r.stdout.count("recovered in process in") == 5  # the sidecar's line and each rank's
     weights = final_weights(ckpt)
     for name, tensor in reference.items():
@@ -102,12 +102,12 @@ def test_a_mismatch_restarts_the_processes_when_in_process_recovery_is_off_or_la
         r = trainwatch(tmp_path, "launch", "--nproc-per-node", "4", "--job", job, *flags, "--inject", SKIP,
                        *TRAINER, "--ckpt-dir", str(ckpt), timeout=400)
         assert_recovered(tmp_path, job, ckpt, reference, r)
-        [incident] = [e for e in events(tmp_path, job) if e["kind"] == "collective_mismatch"]
-        assert incident["restart"]["requested"] is True, incident
+        [incident] = [e for e in events(tmp_path, job) if e.kind == "collective_mismatch"]
+        assert incident.restart.requested is True, incident
         if job == "off":
-            assert "in_process" not in incident, incident
+            assert incident.in_process is None, incident
         else:
-            assert incident["in_process"]["ok"] is False and incident["in_process"]["pending"], incident
+            assert incident.in_process.ok is False and incident.in_process.pending, incident
 
 
 def test_rank_killed_during_emergency_write(tmp_path, reference):
@@ -118,8 +118,8 @@ def test_rank_killed_during_emergency_write(tmp_path, reference):
                    "--inject", "hang:where=dataloader,rank=2,step=12", "--inject", "crash:rank=1,at=emergency_write",
                    *TRAINER, "--ckpt-dir", str(ckpt), timeout=400)
     assert_recovered(tmp_path, "ekill", ckpt, reference, r)
-    hang = next(e for e in events(tmp_path, "ekill") if e["kind"] == "hang")
-    assert "1" in hang["checkpoint"]["failed"] and "1" not in hang["checkpoint"]["written"], hang["checkpoint"]
+    hang = next(e for e in events(tmp_path, "ekill") if e.kind == "hang")
+    assert "1" in hang.checkpoint.failed and "1" not in hang.checkpoint.written, hang.checkpoint
     assert not any(p.name.startswith("step-") and "-r1" in p.name and "emergency" in p.name for p in ckpt.iterdir())
 
 
@@ -134,8 +134,8 @@ def test_rank_killed_inside_a_periodic_checkpoint(tmp_path, reference):
     ev = assert_recovered(tmp_path, "pkill", ckpt, reference, r)
     assert ev["resumed_from_step"] == 25, ev  # the survivors' emergency checkpoints of that step
     assert not list(ckpt.glob(".tmp-*")), sorted(p.name for p in ckpt.iterdir())
-    crash = next(e for e in events(tmp_path, "pkill") if e["kind"] == "crash")
-    assert crash["culprit_ranks"] == [0], crash
+    crash = next(e for e in events(tmp_path, "pkill") if e.kind == "crash")
+    assert crash.culprit_ranks == [0], crash
 
 
 def test_sidecar_killed_mid_run_training_goes_on(tmp_path):

@@ -345,7 +345,7 @@ def test_sidecar_keeps_history_of_a_real_job(real_job):
     assert len(samples) >= 10 and path.stat().st_size < history.MAX_BYTES
     gaps = [b["t"] - a["t"] for a, b in zip(samples, samples[1:-1])]  # the last one lands at shutdown
     assert min(gaps) >= 0.9 and sorted(gaps)[len(gaps) // 2] < 1.5  # ~1 sample per second
-    assert any(e["kind"] == "restart" for e in events(home, "rep"))
+    assert any(e.kind == "restart" for e in events(home, "rep"))
     for rank, s in series.items():
         steps = [x for x in s["step"] if x is not None]
         # Before a generation's first step a rank has no step (null), never a

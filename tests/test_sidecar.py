@@ -87,8 +87,8 @@ def test_hang_is_one_incident_with_outputs(job):
             ws[2].write_step(29, 2.0, 1.0, 0.5, 0.3, t_stop, 0.0, slots.PHASE_CODES["data"], t_stop, 29)
         sc.tick()
     found = state.JobDir("sc").incidents()
-    assert [e["kind"] for e in found] == ["hang"]
-    assert found[0]["culprit_ranks"] == [2] and found[0]["victims"] == [0, 1, 3]
+    assert [e.kind for e in found] == ["hang"]
+    assert found[0].culprit_ranks == [2] and found[0].victims == [0, 1, 3]
     assert out.getvalue().count("INCIDENT hang culprit rank(s) 2") == 1
     assert sc.incident_counts == {"hang": 1}
     [span] = exporter.get_finished_spans()
@@ -102,7 +102,7 @@ def test_hang_is_one_incident_with_outputs(job):
     # Goodput: start-up to the first step, productive until rank 2 stopped, then
     # detection (its last progress to the incident) and the time since.
     gp = sc.goodput_now()
-    detected = found[0]["detected_mono"]
+    detected = found[0].detected_mono
     assert gp.wall_s == pytest.approx(clock.t - 1000.0)
     assert gp.badput_s["startup"] == 0.5 and gp.productive_s == pytest.approx(t_stop - 1000.5)
     assert gp.badput_s["detection"] == pytest.approx(detected - t_stop)
@@ -193,13 +193,13 @@ def test_response_runs_off_the_tick(job, monkeypatch):
             ticks_after += 1
     assert started.wait(10)
     [incident] = state.JobDir("sc").incidents()
-    assert incident["kind"] == "hang" and "verdict" not in incident  # recorded at detection, acted on later
+    assert incident.kind == "hang" and incident.verdict is None  # recorded at detection, acted on later
     assert ticks_after > 10  # the ticks went on while the capture ran
     release.set()
     assert sc.responder.drain(10)
     [incident] = state.JobDir("sc").incidents()
-    assert incident["verdict"]["category"] == "dataloader" and incident["capture"]["seconds"] == 9.9
-    assert f"hang {incident['id']}: stacks of 4 rank(s)" in out.getvalue()
+    assert incident.verdict.category == "dataloader" and incident.capture.seconds == 9.9
+    assert f"hang {incident.id}: stacks of 4 rank(s)" in out.getvalue()
     sc.responder.close()
 
 

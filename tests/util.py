@@ -68,16 +68,16 @@ def job_json(home: Path, job: str) -> dict | None:
         return None
 
 
-def events(home: Path, job: str) -> list[dict]:
-    """The job's incidents, each with its actions' results merged in (as diagnose reads them)."""
+def events(home: Path, job: str) -> list:
+    """The job's incidents (typed records), each with its actions' results merged in (as diagnose reads them)."""
     from trainwatch import state
 
     return state.JobDir(job, root=home).incidents()
 
 
-def acted(home: Path, job: str, kind: str, key: str = "verdict") -> list[dict]:
+def acted(home: Path, job: str, kind: str, key: str = "verdict") -> list:
     """Incidents of `kind` whose response (capture/verdict, checkpoint, restart) has been recorded."""
-    return [e for e in events(home, job) if e["kind"] == kind and key in e]
+    return [e for e in events(home, job) if e.kind == kind and getattr(e, key) is not None]
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:

@@ -15,12 +15,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
 
 from trainwatch import env, state
+from trainwatch.rankrow import RankRow
 from trainwatch.diagnostics.stack_groups import STOPPED_ERROR, StackGroup, group_stacks
 from trainwatch.diagnostics.stack_parsers import parse_pyspy_json
 from trainwatch.diagnostics.stacks import ProcessStack
@@ -217,20 +218,19 @@ def capture_all(pids: dict[int, int], *, native: bool = False, timeout_s: float 
         return {rank: f.result() for rank, f in futures.items()}
 
 
-def capture_ranks(rows: list[dict], *, job: state.JobDir, label: str, timeout_s: float = PER_RANK_TIMEOUT_S,
-                  native: bool = False, budget_s: float | None = None) -> tuple[list[StackGroup], Path, dict[str, str]]:
-    """Capture every rank of `rows` (diagnose's per-rank dicts) in parallel,
-    note each rank's process state and capture error in its row, and group the
-    stacks: (groups, where the raw dumps went, {rank: why not sampled})."""
+def capture_ranks(rows: list[RankRow], *, job: state.JobDir, label: str, timeout_s: float = PER_RANK_TIMEOUT_S,
+                  native: bool = False, budget_s: float | None = None
+                  ) -> tuple[list[StackGroup], Path, dict[str, str], list[RankRow]]:
+    """Capture every rank of `rows` in parallel and group the stacks: (groups,
+    where the raw dumps went, {rank: why not sampled}, the rows with each
+    rank's process state and capture error)."""
     out_dir = capture_dir(job.path, label)
-    pids = {int(r["rank"]): int(r["pid"]) for r in rows if r.get("pid")}
+    pids = {r.rank: r.pid for r in rows if r.pid}
     caps = capture_all(pids, native=native, timeout_s=timeout_s, out_dir=out_dir, job=job.job, budget_s=budget_s)
-    for r in rows:
-        c = caps.get(r["rank"])
-        r["state"] = (c.process_state or "gone") if c else None
-        r["capture_error"] = c.stack.error if c else None
+    seen = [replace(r, state=(c.process_state or "gone") if c else None, capture_error=c.stack.error if c else None)
+            for r in rows for c in (caps.get(r.rank),)]
     groups = group_stacks({rank: c.stack for rank, c in caps.items()})
-    return groups, out_dir, {str(k): c.stack.error for k, c in caps.items() if c.stack.error}
+    return groups, out_dir, {str(k): c.stack.error for k, c in caps.items() if c.stack.error}, seen
 
 
 KEEP_CAPTURES = {"diagnose": 5, "remote": 5}

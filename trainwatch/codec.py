@@ -15,7 +15,8 @@ what is accepted:
 - keys the class does not declare are ignored (a newer writer's additions).
 
 Numbers: `bool` is never an `int` here (JSON's true is not rank 1), floats must
-be finite, `check(min=...)` bounds both. Enums are written as their value.
+be finite, `check(min=...)` bounds both; `check(one_of=...)` names the only
+strings accepted. Enums are written as their value.
 Nothing here raises on hostile input except `CodecError` in strict mode.
 """
 
@@ -25,11 +26,10 @@ import dataclasses
 import enum
 import functools
 import json
+import math
 import types
 import typing
 from typing import Any, TypeVar
-
-from trainwatch import records
 
 T = TypeVar("T")
 
@@ -49,11 +49,29 @@ class Check:
     """Smallest number accepted (numbers)."""
     max_len: int | None = None
     """Longest string kept; longer ones are cut (strings)."""
+    one_of: tuple | None = None
+    """The only values accepted (strings)."""
 
 
-def check(*, min: float | None = None, max_len: int | None = None) -> dict:
+def check(*, min: float | None = None, max_len: int | None = None, one_of: tuple | None = None) -> dict:
     """Field metadata: `rank: int = dataclasses.field(metadata=check(min=0))`."""
-    return {"codec": Check(min=min, max_len=max_len)}
+    return {"codec": Check(min=min, max_len=max_len, one_of=one_of)}
+
+
+def is_int(value: Any) -> bool:
+    """An integer read from JSON (true and false are not numbers)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def finite_number(value: Any) -> float | None:
+    """value as a finite float, None when it is not a number (or NaN, infinite, too large)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})
@@ -177,16 +195,16 @@ def _value(annotation: Any, raw: Any, bounds: Check) -> Any:
     if annotation is bool:
         return raw if isinstance(raw, bool) else _DROP
     if annotation is int:
-        if not records.is_int(raw):
+        if not is_int(raw):
             return _DROP
         return raw if bounds.min is None or raw >= bounds.min else _DROP
     if annotation is float:
-        number = records.finite_number(raw)
+        number = finite_number(raw)
         if number is None or (bounds.min is not None and number < bounds.min):
             return _DROP
         return number
     if annotation is str:
-        if not isinstance(raw, str):
+        if not isinstance(raw, str) or (bounds.one_of is not None and raw not in bounds.one_of):
             return _DROP
         return raw[:bounds.max_len] if bounds.max_len is not None else raw
     return _DROP

@@ -57,6 +57,12 @@ class RankRow:
     """Fraction of gradient elements exactly zero at the last step."""
     phase_times: dict[str, float] = field(default_factory=dict)
     """Seconds of the last step spent in 'data', 'backward' and 'optimizer' (those known)."""
+    state: str | None = None
+    """What `diagnose` (or a capture) saw of the process: its state (running,
+    sleeping, stopped, zombie, gone), `remote` (another node's rank), `exited`
+    (a finished job); None: not looked at. Not in telemetry.json."""
+    capture_error: str | None = None
+    """Why py-spy could not sample it, if it was asked to. Not in telemetry.json."""
 
     @property
     def collectives(self) -> dict:
@@ -69,7 +75,11 @@ class RankRow:
         }
 
     def to_json(self) -> dict:
-        return codec.encode(self) | {"collectives": self.collectives}
+        out = codec.encode(self) | {"collectives": self.collectives}
+        for name in ("state", "capture_error"):  # what diagnose saw, only where it looked
+            if out[name] is None:
+                del out[name]
+        return out
 
 
 PHASE_TIMES = ("data", "backward", "optimizer")
@@ -180,7 +190,7 @@ def from_json(d: Any) -> RankRow | None:
     return row
 
 
-def rows_from_json(data: Any) -> list[dict]:
-    """The valid rank records of a telemetry.json `ranks` list, re-encoded."""
+def rows_from_json(data: Any) -> list[RankRow]:
+    """The valid rank records of a telemetry.json `ranks` list."""
     rows = [from_json(d) for d in data] if isinstance(data, list) else []
-    return [r.to_json() for r in rows if r is not None]
+    return [r for r in rows if r is not None]

@@ -4,18 +4,25 @@ events.jsonl is append-only: an incident when it is detected, then records that
 name it by id as things happen to it: `action` (what the responder did:
 stacks, verdict, checkpoint, restart request), `resolved` (its condition is
 over: when, after how long, how often it was seen) and `restart` (the worker
-group it restarted is training again). `merge_events` folds them into one
-record per incident, so the console, `diagnose`, the report and the exporter
-tell the same story. Anything of the wrong type reads as missing, never as a
-traceback: the file may have been written by another version or by hand.
+group it restarted is training again). `read_events` folds them into one
+`Incident` per incident, its actions and resolution typed sub-records, so the
+console, `diagnose`, the report and the exporter tell the same story. Every
+record is read with `trainwatch.codec`: a field of the wrong type takes its
+default, a record that does not fit is skipped, never a traceback (the file
+may have been written by another version or by hand).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import enum
 import math
+from dataclasses import field
 from typing import Any
+
+from trainwatch import codec, kinds
+from trainwatch.codec import finite_number, is_int  # noqa: F401  (the readers' names for them)
 
 
 class JobStatus(str, enum.Enum):
@@ -108,95 +115,331 @@ ZYGOTE_MESSAGES = {"ready": ZygoteReady, "fork": ZygoteFork, "forked": ZygoteFor
 """The warm-start protocol's messages by their `op` (one JSON object a line)."""
 
 
-def is_int(value: Any) -> bool:
-    """An integer read from JSON (true and false are not numbers)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def finite_number(value: Any) -> float | None:
-    """value as a finite float, None when it is not a number (or NaN, infinite, too large)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
+# ---- incidents (events.jsonl, the job store) ----------------------------------------------
+
+SEVERITIES = ("info", "low", "medium", "high", "critical")
+"""Allowed severities, least to most urgent."""
 
 
-_INCIDENT_TEXT = ("time", "summary", "runbook", "category", "severity", "node", "job", "key", "status", "resolution",
-                  "incident")
-_VERDICT_TEXT = ("category", "summary", "runbook")
+def severity_rank(severity: str) -> int:
+    """Position of a severity in SEVERITIES (higher is more urgent)."""
+    return SEVERITIES.index(severity)
 
 
-def _rank_list(record: dict, key: str) -> None:
-    if key in record:
-        if isinstance(record[key], list):
-            record[key] = [r for r in record[key] if is_int(r)]
-        else:
-            del record[key]
+@dataclasses.dataclass(slots=True)
+class Verdict:
+    """What is wrong and who did it: `diagnose`'s answer, and the responder's
+    capture of an incident (its `verdict` action)."""
+
+    category: str
+    culprit_ranks: list[int] = field(default_factory=list, metadata=codec.check(min=0))
+    summary: str = ""
+    runbook: str = ""
+    confidence: float = 0.5
+    evidence: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return codec.encode(self)
 
 
-def _drop_wrong(record: dict, keys: tuple[str, ...], kind: type) -> None:
-    for key in keys:
-        if record.get(key) is not None and not isinstance(record[key], kind):
-            del record[key]
+@dataclasses.dataclass(slots=True)
+class _GpuEvidence:
+    """What an xid or ecc incident's evidence says about the GPU."""
+
+    gpu: int | str | None = None
+    xid: int | None = None
+    meaning: str | None = None
+    action: str | None = None
+    line: str | None = None
+    """The kernel log line it was read from."""
 
 
-def typed_incident(record: dict) -> dict:
-    """An events.jsonl incident as its readers use it: a field of the wrong type
-    (a culprit list that is a string, evidence that is a number) reads as missing."""
-    _drop_wrong(record, _INCIDENT_TEXT, str)
-    _drop_wrong(record, ("evidence", "restart", "verdict"), dict)
-    _rank_list(record, "culprit_ranks")
-    _rank_list(record, "victims")
-    verdict = record.get("verdict")
-    if isinstance(verdict, dict):
-        _drop_wrong(verdict, _VERDICT_TEXT, str)
-        _rank_list(verdict, "culprit_ranks")
-        if "confidence" in verdict and finite_number(verdict["confidence"]) is None:
-            del verdict["confidence"]
-        if "evidence" in verdict:
-            evidence = verdict["evidence"]
-            verdict["evidence"] = [e for e in evidence if isinstance(e, str)] if isinstance(evidence, list) else []
-    return record
+@dataclasses.dataclass(slots=True)
+class HardwareFinding:
+    """A GPU fault among a job's incidents, as `diagnose` lists it and the verdict weighs it."""
+
+    kind: str
+    """'xid' or 'ecc'."""
+    severity: str
+    gpu: int | str | None = None
+    xid: int | None = None
+    meaning: str | None = None
+    rank: int | None = None
+    """The rank on that GPU, if known."""
+    action: str | None = None
+    evidence: str | None = None
+
+    @classmethod
+    def of(cls, incident: Incident) -> HardwareFinding:
+        ev = codec.decode(_GpuEvidence, incident.evidence) or _GpuEvidence()
+        return cls(incident.kind, incident.severity, ev.gpu, ev.xid, ev.meaning or incident.summary,
+                   next(iter(incident.culprit_ranks), None), ev.action, ev.line)
 
 
+@dataclasses.dataclass(slots=True)
+class RestartDecision:
+    """Whether the incident asked for a restart of the worker group, and why not."""
+
+    requested: bool = False
+    why: str | None = None
 
 
-def merge_events(events: list[dict]) -> list[dict]:
+@dataclasses.dataclass(slots=True)
+class StackGroupSummary:
+    """One group of ranks whose stacks agree, as the responder recorded it."""
+
+    ranks: list[int] = field(default_factory=list, metadata=codec.check(min=0))
+    category: str | None = None
+    pattern: str | None = None
+    frames: list[str] = field(default_factory=list)
+
+
+@dataclasses.dataclass(slots=True)
+class CaptureResult:
+    """The responder's stack capture: where the dumps went, how long it took."""
+
+    dir: str = ""
+    seconds: float | None = None
+    ranks: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    """Rank (as a string) -> why it was not sampled."""
+
+
+@dataclasses.dataclass(slots=True)
+class CheckpointResult:
+    """The emergency checkpoint asked of every rank that registered state."""
+
+    requested: list[int] = field(default_factory=list)
+    no_state: list[int] = field(default_factory=list)
+    written: dict[str, int] = field(default_factory=dict)
+    """Rank (as a string) -> the step it wrote."""
+    failed: dict[str, str] = field(default_factory=dict)
+    step: int | None = None
+    seconds: float | None = None
+    skipped: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class InProcessResult:
+    """The in-process recovery: every rank back at `step`, or why not."""
+
+    ok: bool = False
+    step: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    seconds: float | None = None
+    skipped: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Actions:
+    """One `action` record: the results of what the responder did (each optional)."""
+
+    capture: CaptureResult | None = None
+    stack_groups: list[StackGroupSummary] | None = None
+    verdict: Verdict | None = None
+    in_process: InProcessResult | None = None
+    checkpoint: CheckpointResult | None = None
+    restart: RestartDecision | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Resolution:
+    """A `resolved` record: the incident's condition is over."""
+
+    time: float | None = None
+    """Wall-clock Unix time it was seen over."""
+    duration_s: float | None = field(default=None, metadata=codec.check(min=0))
+    count: int | None = field(default=None, metadata=codec.check(min=1))
+    """Ticks it was reported in while open."""
+    reason: str | None = None
+
+
+_LINE = ("kind", "culprit_ranks", "victims", "summary", "severity", "runbook", "category", "key")
+"""Fields every incident line holds; the others below are written when set."""
+_SET = ("id", "opened_time", "node", "job", "scope", "nodes", "incident", "restart")
+_MERGED = ("capture", "stack_groups", "verdict", "in_process", "checkpoint")
+"""What `action` records add to an incident."""
+
+
+@dataclasses.dataclass(slots=True)
+class Incident:
+    """One detected fault, from the detector that found it through events.jsonl
+    to every reader. Times are CLOCK_MONOTONIC seconds unless named otherwise."""
+
+    kind: str
+    """What happened: hang, collective_mismatch, straggler, crash, loss_nan, ...
+    (trainwatch.kinds); `restart`: a worker group restarted for another incident
+    trains again."""
+    culprit_ranks: list[int] = field(default_factory=list, metadata=codec.check(min=0))
+    """Global ranks that caused it; empty when no single rank can be blamed."""
+    victims: list[int] = field(default_factory=list, metadata=codec.check(min=0))
+    """Global ranks affected only because of the culprits (e.g. waiting on them)."""
+    summary: str = ""
+    """One readable sentence for consoles and logs."""
+    severity: str = field(default="", metadata=codec.check(one_of=SEVERITIES))
+    """One of SEVERITIES; empty: the kind's declared severity (kinds.KINDS), medium for another kind."""
+    runbook: str | None = None
+    """Runbook id to follow (e.g. 'hang', 'collective-mismatch'); None: the kind's declared runbook."""
+    category: str | None = None
+    """Best stack/error category guess (DESIGN.md lists), None if unknown."""
+    evidence: dict = field(default_factory=dict)
+    """Facts behind the verdict (steps, seq numbers, durations, ratios)."""
+    key: str = ""
+    """De-duplication key; default: kind plus sorted culprit ranks."""
+    detected_mono: float = 0.0
+    """Monotonic time of the tick that found it (on the clock of the node that found it)."""
+    time: str = field(default="", metadata=codec.check(max_len=64))
+    """Wall-clock ISO time it was recorded ('' until then)."""
+    id: str | None = None
+    """Its id, given by the sidecar (or the aggregator) that recorded it."""
+    opened_time: float | None = None
+    """Wall-clock Unix time it was recorded."""
+    node: str | None = None
+    job: str | None = None
+    scope: str | None = None
+    """'job': raised by the job-wide aggregator for every node."""
+    nodes: list[str] | None = None
+    """A job incident's nodes (those of its culprits)."""
+    incident: str | None = None
+    """A `restart` record: the id of the incident whose restart it ends."""
+    restart: RestartDecision | None = None
+    """Whether it asked for a restart (a later action may say it did not)."""
+    capture: CaptureResult | None = None
+    stack_groups: list[StackGroupSummary] | None = None
+    verdict: Verdict | None = None
+    """The capture's verdict: it refines the category and the runbook."""
+    in_process: InProcessResult | None = None
+    checkpoint: CheckpointResult | None = None
+    resolution: Resolution | None = None
+    """Set once a `resolved` record names it; None while it is open."""
+
+    def __post_init__(self) -> None:
+        declared = kinds.spec(self.kind)
+        if not self.severity:
+            self.severity = declared.severity if declared is not None else "medium"
+        if self.runbook is None and declared is not None and self.kind != "restart":
+            self.runbook = declared.runbook
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"incident severity must be one of {', '.join(SEVERITIES)}; got {self.severity!r}")
+        self.culprit_ranks = sorted({int(r) for r in self.culprit_ranks})
+        self.victims = sorted({int(r) for r in self.victims} - set(self.culprit_ranks))
+        if not self.key:
+            self.key = f"{self.kind}:{','.join(map(str, self.culprit_ranks))}"
+
+    @property
+    def status(self) -> str:
+        """'open' until a `resolved` record names it, then 'resolved' ('' for a restart record)."""
+        if self.kind == "restart":
+            return ""
+        return "resolved" if self.resolution is not None else "open"
+
+    @property
+    def restart_requested(self) -> bool:
+        return self.restart is not None and self.restart.requested
+
+    def stamp(self, wall_time: float | None = None) -> Incident:
+        """Give it its wall-clock `time` (now unless `wall_time`, Unix seconds), once."""
+        if not self.time:
+            when = wall_time if wall_time is not None else _dt.datetime.now(_dt.timezone.utc).timestamp()
+            self.time = _dt.datetime.fromtimestamp(when, tz=_dt.timezone.utc).isoformat(timespec="milliseconds")
+        return self
+
+    def to_json(self, *, wall_time: float | None = None) -> dict:
+        """Its events.jsonl line (and job store record): what was known when it
+        was recorded; its actions and resolution are records of their own."""
+        self.stamp(wall_time)
+        return self._line()
+
+    def _line(self) -> dict:
+        out = ({"time": self.time} if self.time else {}) | {name: codec.encode(getattr(self, name)) for name in _LINE}
+        out |= {name: codec.encode(v) for name in _SET if (v := getattr(self, name)) is not None}
+        if self.restart is not None and self.restart.why is None:
+            out["restart"] = {"requested": self.restart.requested}
+        return out | {"evidence": jsonable(self.evidence), "detected_mono": round(float(self.detected_mono), 6)}
+
+    def view(self) -> dict:
+        """As `diagnose --json` lists it: the line with its actions' results,
+        its status and how it ended merged in."""
+        out = self._line() | {n: codec.encode(v) for n in _MERGED if (v := getattr(self, n)) is not None}
+        if self.status:
+            out["status"] = self.status
+        r = self.resolution
+        if r is not None:
+            out |= {"resolved_time": r.time, "duration_s": r.duration_s, "count": r.count, "resolution": r.reason}
+        return out
+
+    def act(self, actions: Actions) -> None:
+        """An `action` record's results, merged in."""
+        for name in (*_MERGED, "restart"):
+            if (value := getattr(actions, name)) is not None:
+                setattr(self, name, value)
+        if actions.verdict is not None and actions.verdict.runbook:
+            # The capture's verdict refines where the incident points: every
+            # reader then names the same runbook.
+            self.runbook = actions.verdict.runbook
+
+    @classmethod
+    def from_json(cls, data: Any) -> Incident | None:
+        """An incident line (or a job store record): None when it does not fit
+        (the reader skips it)."""
+        return codec.decode(cls, data)
+
+
+@dataclasses.dataclass(slots=True)
+class _Tag:
+    """What tells the records of events.jsonl apart."""
+
+    kind: str
+    incident: str | None = None
+    """An `action` or `resolved` record: the id of the incident it is about."""
+
+
+def read_events(events: list[Any]) -> list[Incident]:
     """Incidents (and restart records) oldest first, each with the records that
-    name it merged in: an `action`'s results, a `resolved` record's status,
-    time, duration and count. An incident with no `resolved` record is
-    `open`."""
-    out: list[dict] = []
-    by_id: dict[str, dict] = {}
+    name it merged in: an `action`'s results, a `resolved` record's time,
+    duration, count and reason. Records that do not fit are skipped."""
+    out: list[Incident] = []
+    by_id: dict[str, Incident] = {}
     for record in events:
-        if not isinstance(record.get("kind"), str):
+        tag = codec.decode(_Tag, record)
+        if tag is None:
             continue
-        if record["kind"] == "action":
-            target = by_id.get(str(record.get("incident")))
-            if target is not None:
-                target.update({k: v for k, v in record.items() if k not in ("kind", "incident", "time", "id")})
-                verdict = record.get("verdict")
-                if isinstance(verdict, dict) and isinstance(verdict.get("runbook"), str):
-                    # The capture's verdict refines where the incident points:
-                    # every reader then names the same runbook.
-                    target["runbook"] = verdict["runbook"]
+        if tag.kind in ("action", "resolved"):
+            target = by_id.get(tag.incident) if tag.incident is not None else None
+            if target is None:
+                continue
+            if tag.kind == "resolved":
+                target.resolution = codec.decode(Resolution, record) or Resolution()
+            elif (actions := codec.decode(Actions, record)) is not None:
+                target.act(actions)
             continue
-        if record["kind"] == "resolved":
-            target = by_id.get(str(record.get("incident")))
-            if target is not None:
-                target.update(status="resolved", resolved_time=record.get("time"),
-                              duration_s=finite_number(record.get("duration_s")),
-                              count=record.get("count") if is_int(record.get("count")) else None,
-                              resolution=record.get("reason") if isinstance(record.get("reason"), str) else None)
+        incident = Incident.from_json(record)
+        if incident is None:
             continue
-        if record.get("id") is not None:
-            if str(record["id"]) in by_id:
+        if incident.id is not None:
+            if incident.id in by_id:
                 continue  # a job incident that every node of a shared home recorded
-            by_id[str(record["id"])] = record
-        if record["kind"] != "restart":
-            record["status"] = "open"  # until a `resolved` record names it
-        out.append(record)
-    return [typed_incident(record) for record in out]
+            by_id[incident.id] = incident
+        out.append(incident)
+    return out
+
+
+def jsonable(value: Any) -> Any:
+    """Convert numpy scalars/arrays, tuples and sets to plain JSON types.
+
+    Non-finite floats become the strings 'nan'/'inf'/'-inf': a NaN loss is a
+    fact worth keeping, and bare NaN is not valid JSON for other readers."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.rstrip(b"\0").decode("ascii", "replace")
+    if hasattr(value, "tolist") and not isinstance(value, (str, int, float, bool)):
+        return jsonable(value.tolist())  # numpy scalar or array
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value

@@ -297,10 +297,10 @@ class JobDir:
     def append_event(self, event: dict) -> None:
         append_line(self.events_file, json.dumps(event, sort_keys=True, default=str))
 
-    def incidents(self) -> list[dict]:
-        """Incidents oldest first, each with its actions' results, its resolution
-        and its recovery merged in (see trainwatch.records)."""
-        return records.merge_events(read_jsonl(self.events_file))
+    def incidents(self) -> list[records.Incident]:
+        """Incidents (and restart records) oldest first, each with its actions'
+        results and its resolution merged in (see trainwatch.records)."""
+        return records.read_events(read_jsonl(self.events_file))
 
     def telemetry(self) -> dict:
         return read_json(self.telemetry_file) or {}

@@ -11,13 +11,16 @@ incident still can.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from trainwatch import codec, kinds, slots
+from trainwatch.rankrow import RankRow
+from trainwatch.records import HardwareFinding, Incident, Verdict
 from trainwatch.diagnostics import catalog
 from trainwatch.diagnostics.culprit import FLOOR_S, HEARTBEAT_STALE_S, K, Facts, GroupEntries, blame
 from trainwatch.diagnostics.stack_groups import odd_one_out
@@ -58,24 +61,6 @@ FALLBACK_RUNBOOK = "hang"
 PHASE_CATEGORY = {"data": "dataloader", "checkpoint": "checkpoint_io"}
 
 
-@dataclass(slots=True)
-class Verdict:
-    category: str
-    culprit_ranks: list[int]
-    summary: str
-    runbook: str
-    confidence: float
-    evidence: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return codec.encode(self)
-
-    @classmethod
-    def from_json(cls, data: Any) -> Verdict | None:
-        """A verdict stored with an incident's action record; None when it does not fit."""
-        return codec.decode(cls, data)
-
-
 def _runbook_for(category: str, pattern_id: str | None) -> str:
     """The runbook of the catalog pattern that matched, else the category's."""
     pattern = catalog.get(pattern_id)
@@ -89,12 +74,28 @@ def _fmt(ranks: Iterable[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
 
 
-def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = (), hardware: list[dict] = (),
-           thresholds: dict | None = None) -> Verdict:
-    """ranks: diagnose's per-rank rows (rank, step, phase, last_progress_s,
-    heartbeat_age_s, collectives{enqueued,completed,last_op}, state, capture_error);
-    groups: StackGroup list; incidents: events.jsonl records, oldest first, with
-    their `status` (an incident without one is open); thresholds: the hang
+@dataclass(slots=True)
+class HangThresholds:
+    """The hang thresholds in force, as telemetry.json's `thresholds.hang` has them."""
+
+    floor_s: float = FLOOR_S
+    ranks: dict[str, float] = field(default_factory=dict)
+    """Each rank's threshold (s), by rank as a string."""
+
+
+@dataclass(slots=True)
+class Thresholds:
+    """telemetry.json's `thresholds` (the verdict reads the hang part)."""
+
+    hang: HangThresholds | None = None
+
+
+def decide(ranks: Sequence[RankRow], groups: list[Any] = (), incidents: Sequence[Incident] = (),
+           hardware: Sequence[HardwareFinding] = (), thresholds: Any = None) -> Verdict:
+    """ranks: the job's rank rows, with the process state and capture error
+    diagnose (or the responder) saw;
+    groups: StackGroup list; incidents: the job's incidents (JobDir.incidents),
+    oldest first; hardware: the GPU faults among them; thresholds: the hang
     thresholds in force (telemetry.json's `thresholds`: `{"hang": {"floor_s",
     "k", "ranks": {rank: seconds}}}`), so the verdict judges a rank idle by the
     same numbers as the watchdog.
@@ -103,120 +104,117 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
     idle past its threshold; before the threshold, a rank idle well past its
     usual step is `suspect`."""
     evidence: list[str] = []
-    bad_hw = [h for h in hardware if h.get("severity") in ("high", "critical")]
+    bad_hw = [h for h in hardware if h.severity in ("high", "critical")]
     if bad_hw:
         h = bad_hw[-1]
-        cat = "ecc" if h.get("kind") == "ecc" or h.get("xid") in ECC_CODES else "xid"
-        culprits = sorted({int(h["rank"]) for h in bad_hw if h.get("rank") is not None})
+        cat = "ecc" if h.kind == "ecc" or h.xid in ECC_CODES else "xid"
+        culprits = sorted({h.rank for h in bad_hw if h.rank is not None})
         return Verdict(
             cat, culprits,
-            f"GPU fault on {_fmt(culprits) if culprits else 'this node'}: Xid {h.get('xid')} ({h.get('meaning', '')}); "
-            f"action: {h.get('action', 'check the GPU')}",
-            _runbook_for(cat, None), 0.9, [str(h.get("evidence") or h.get("meaning") or "")],
+            f"GPU fault on {_fmt(culprits) if culprits else 'this node'}: Xid {h.xid} ({h.meaning or ''}); "
+            f"action: {h.action or 'check the GPU'}",
+            _runbook_for(cat, None), 0.9, [h.evidence or h.meaning or ""],
         )
     if not ranks:
         last = incidents[-1] if incidents else None
         if last:
-            return _from_incident(last, "no live ranks; showing the last incident")
+            return from_incident(last, "no live ranks; showing the last incident")
         return Verdict("other", [], "no telemetry from any rank yet", _runbook_for("other", None), 0.1, [])
 
     # Only incidents of the current run of the worker group count as live.
     incidents = list(incidents)
-    last_restart = max((i for i, x in enumerate(incidents) if x.get("kind") == "restart"), default=-1)
+    last_restart = max((i for i, x in enumerate(incidents) if x.kind == "restart"), default=-1)
     # ...except a fault that stopped training and is still open: it stays open
     # across its restart until its ranks complete a step, and diagnose says so.
-    recovering = [i for i in incidents[:last_restart + 1] if i.get("status") == "open"
-                  and getattr(kinds.spec(str(i.get("kind"))), "resolution", None) is kinds.Resolution.PROGRESS]
+    recovering = [i for i in incidents[:last_restart + 1] if i.status == "open"
+                  and getattr(kinds.spec(i.kind), "resolution", None) is kinds.Resolution.PROGRESS]
     incidents = incidents[last_restart + 1:]
-    mismatch = next((i for i in reversed(incidents) if i.get("kind") == "collective_mismatch"), None)
+    mismatch = next((i for i in reversed(incidents) if i.kind == "collective_mismatch"), None)
     if mismatch is not None:
         # A desync need not stall anything: later collectives pair with the wrong
         # partner and values are silently wrong. The incident is the verdict.
-        culprits = sorted(mismatch.get("culprit_ranks") or [])
         return Verdict(
-            "collective_mismatch", culprits, mismatch.get("summary", "collective mismatch"),
-            _runbook_for("collective_mismatch", None), 0.9, [str(mismatch.get("summary", ""))],
+            "collective_mismatch", sorted(mismatch.culprit_ranks), mismatch.summary or "collective mismatch",
+            _runbook_for("collective_mismatch", None), 0.9, [mismatch.summary],
         )
-    stopped = [r for r in ranks if r.get("state") == "stopped"]
+    stopped = [r for r in ranks if r.state == "stopped"]
     if stopped:
-        culprits = sorted(r["rank"] for r in stopped)
+        culprits = sorted(r.rank for r in stopped)
         return Verdict(
             "stopped", culprits,
             f"{_fmt(culprits)} {'is' if len(culprits) == 1 else 'are'} stopped (process state T: SIGSTOP, job "
             f"control or a debugger); every peer waits for it. `kill -CONT` resumes it",
             _runbook_for("stopped", None), 0.95,
-            [f"rank {r['rank']}: process {r.get('pid')} is stopped" for r in stopped],
+            [f"rank {r.rank}: process {r.pid} is stopped" for r in stopped],
         )
     # A rank that finished its work (phase 'done') and exited is not a failure.
-    gone = [r for r in ranks if r.get("state") in (None, "gone", "zombie") and r.get("pid")
-            and r.get("phase") != "done"]
-    steps = [r["step"] for r in ranks]
-    step_s = [r["step_s"] for r in ranks if r.get("step_s")]
+    gone = [r for r in ranks if r.state in (None, "gone", "zombie") and r.pid and r.phase != "done"]
+    steps = [r.step for r in ranks]
+    step_s = [r.step_s for r in ranks if r.step_s]
     stall_s = max(FLOOR_S, K * median(step_s)) if step_s else FLOOR_S
     limits = _thresholds(ranks, thresholds, stall_s)
-    stalled = [r for r in ranks if (r.get("last_progress_s") or 0) > limits[r["rank"]]]
-    still_open = recovering + [i for i in incidents if i.get("status", "open") == "open" and i.get("kind") in kinds.KINDS]
-    fault = next((i for i in reversed(still_open) if i.get("kind") not in ALERT_ONLY_KINDS), None)
+    stalled = [r for r in ranks if r.last_progress_s > limits[r.rank]]
+    still_open = recovering + [i for i in incidents if i.status == "open" and i.kind in kinds.KINDS]
+    fault = next((i for i in reversed(still_open) if i.kind not in ALERT_ONLY_KINDS), None)
     if gone and fault is not None:
         # Ranks gone while a fault is open: the fault (a crash's culprit), or
         # the teardown of the restart it asked for, not a new failure of them all.
-        asked = isinstance(fault.get("restart"), dict) and bool(fault["restart"].get("requested"))
-        return _from_open(fault, groups, prefix="restarting after" if asked else "open incident")
+        return _from_open(fault, groups, prefix="restarting after" if fault.restart_requested else "open incident")
     if gone:
-        culprits = sorted(r["rank"] for r in gone)
+        culprits = sorted(r.rank for r in gone)
         return Verdict("child_failed", culprits, f"{_fmt(culprits)} exited; its peers cannot make progress",
                        _runbook_for("child_failed", None), 0.85,
-                       [f"rank {r['rank']}: process {r['pid']} is gone" for r in gone])
+                       [f"rank {r.rank}: process {r.pid} is gone" for r in gone])
     if not stalled and fault is not None:
         return _from_open(fault, groups, prefix="recovering after" if fault in recovering else "open incident")
     if not stalled:
-        lp = max((r.get("last_progress_s") or 0) for r in ranks)
+        lp = max(r.last_progress_s for r in ranks)
         typical = median(step_s) if step_s else 0.0
-        suspects = [r for r in ranks if (r.get("last_progress_s") or 0) > max(
+        suspects = [r for r in ranks if r.last_progress_s > max(
             SUSPECT_MIN_S, SUSPECT_STEPS * typical,
-            SUSPECT_FRACTION * limits[r["rank"]] if r.get("phase") in slots.SLOW_PHASES else 0.0)]
+            SUSPECT_FRACTION * limits[r.rank] if r.phase in slots.SLOW_PHASES else 0.0)]
         # Peers waiting on a stuck rank are idle too: name the ones not waiting.
-        suspects = [r for r in suspects if r.get("phase") not in slots.WAIT_PHASES] or suspects
+        suspects = [r for r in suspects if r.phase not in slots.WAIT_PHASES] or suspects
         if suspects:
-            who = sorted(r["rank"] for r in suspects)
+            who = sorted(r.rank for r in suspects)
             return Verdict(
                 "suspect", who,
-                f"{_fmt(who)} made no progress for {max(r['last_progress_s'] for r in suspects):.1f}s, short of the "
+                f"{_fmt(who)} made no progress for {max(r.last_progress_s for r in suspects):.1f}s, short of the "
                 f"hang threshold in force ({min(limits[k] for k in who):.1f}s); the watchdog calls it hung then",
                 _runbook_for("suspect", None), 0.5,
-                [f"rank {r['rank']}: no progress for {r['last_progress_s']:.1f}s in phase '{r.get('phase')}' "
-                 f"(threshold {limits[r['rank']]:.1f}s)" for r in suspects])
-        alert = next((i for i in reversed(still_open) if i.get("kind") in ALERT_ONLY_KINDS), None)
+                [f"rank {r.rank}: no progress for {r.last_progress_s:.1f}s in phase '{r.phase}' "
+                 f"(threshold {limits[r.rank]:.1f}s)" for r in suspects])
+        alert = next((i for i in reversed(still_open) if i.kind in ALERT_ONLY_KINDS), None)
         if alert is not None:
             return _from_open(alert, groups, prefix="training, with an open incident")
-        recent = [i for i in incidents if i.get("kind") in ALERT_ONLY_KINDS]
-        note = f"; last incident: {recent[-1]['kind']} (resolved)" if recent else ""
+        recent = [i for i in incidents if i.kind in ALERT_ONLY_KINDS]
+        note = f"; last incident: {recent[-1].kind} (resolved)" if recent else ""
         return Verdict(
             "healthy", [],
             f"healthy: steps advancing on all {len(ranks)} ranks (step {min(steps)}..{max(steps)}, "
             f"last progress {lp:.1f}s ago){note}",
             _runbook_for("healthy", None), 0.9,
-            [f"rank {r['rank']}: step {r['step']} {r['last_progress_s']:.1f}s ago" for r in ranks],
+            [f"rank {r.rank}: step {r.step} {r.last_progress_s:.1f}s ago" for r in ranks],
         )
 
     from_groups = {k: g for g in groups for k in g.ranks}
-    live_incident = next((i for i in reversed(still_open) if i.get("kind") in kinds.CAPTURE_KINDS), None)
+    live_incident = next((i for i in reversed(still_open) if i.kind in kinds.CAPTURE_KINDS), None)
     culprits, why = _culprits(ranks, limits)
     odd = odd_one_out(groups) if groups else None
     confidence = 0.6 if culprits else 0.45
     if not culprits:
         # The rule names nobody; what only diagnose has may still: a rank py-spy
         # could not sample, a stack that stands out, the watchdog's incident.
-        unsampled = sorted(r["rank"] for r in ranks if r.get("capture_error"))
+        unsampled = sorted(r.rank for r in ranks if r.capture_error)
         if unsampled and len(unsampled) < len(ranks):
             culprits = unsampled
             for r in ranks:
-                if r["rank"] in unsampled:
-                    why[r["rank"]].append(f"py-spy could not sample it: {r['capture_error']}")
+                if r.rank in unsampled:
+                    why[r.rank].append(f"py-spy could not sample it: {r.capture_error}")
         elif odd is not None:
             culprits = sorted(odd.ranks)
-        elif live_incident and live_incident.get("culprit_ranks"):
-            culprits = sorted(k for k in live_incident["culprit_ranks"] if k in why)
+        elif live_incident and live_incident.culprit_ranks:
+            culprits = sorted(k for k in live_incident.culprit_ranks if k in why)
     if not culprits:
         g = groups[0] if groups else None
         cat = g.category if g is not None and g.category != "other" else "collective_wait"
@@ -231,17 +229,17 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
     if odd is not None and set(odd.ranks) == set(culprits):
         confidence += 0.15
         why[lead].append(f"its stack differs from the majority: {odd.evidence or (odd.frames[:1] or [''])[0]}")
-    if live_incident and set(live_incident.get("culprit_ranks") or []) == set(culprits):
+    if live_incident and set(live_incident.culprit_ranks) == set(culprits):
         confidence += 0.1
-        why[lead].append(f"named by the watchdog's {live_incident['kind']} incident")
+        why[lead].append(f"named by the watchdog's {live_incident.kind} incident")
     confidence += 0.05 * min(2, len(why[lead]))
-    lead_row = next(r for r in ranks if r["rank"] == lead)
+    lead_row = next(r for r in ranks if r.rank == lead)
     group = from_groups.get(lead)
-    category, pattern_id = _category(lead_row, group, live_incident, ranks)
-    victims = sorted(r["rank"] for r in ranks if r["rank"] not in culprits)
-    where = (group.evidence if group is not None and group.evidence else None) or f"phase '{lead_row.get('phase')}'"
+    category, pattern_id = _category(lead_row, group, live_incident)
+    victims = sorted(r.rank for r in ranks if r.rank not in culprits)
+    where = (group.evidence if group is not None and group.evidence else None) or f"phase '{lead_row.phase}'"
     summary = (
-        f"{_fmt(culprits)} stuck ({category}) at {where} since step {lead_row['step']}"
+        f"{_fmt(culprits)} stuck ({category}) at {where} since step {lead_row.step}"
         + (f"; {_fmt(victims)} wait for it" if victims else "")
     )
     evidence.extend(f"rank {lead}: {w}" for w in why[lead])
@@ -249,51 +247,45 @@ def decide(ranks: list[dict], groups: list[Any] = (), incidents: list[dict] = ()
                    evidence)
 
 
-def _thresholds(ranks: list[dict], thresholds: dict | None, fallback_s: float) -> dict[int, float]:
+def _thresholds(ranks: Sequence[RankRow], thresholds: Any, fallback_s: float) -> dict[int, float]:
     """Each rank's hang threshold in force: the watchdog's own figure where
     telemetry.json has it, else max(its floor, k x the median step)."""
-    hang = (thresholds or {}).get("hang") if isinstance(thresholds, dict) else None
-    if not isinstance(hang, dict):
-        return {r["rank"]: fallback_s for r in ranks}
-    floor = hang.get("floor_s") if isinstance(hang.get("floor_s"), (int, float)) else FLOOR_S
-    per_rank = hang.get("ranks") if isinstance(hang.get("ranks"), dict) else {}
+    known = codec.decode(Thresholds, thresholds) if thresholds is not None else None
+    hang = known.hang if known is not None else None
+    if hang is None:
+        return {r.rank: fallback_s for r in ranks}
     out = {}
     for r in ranks:
-        value = per_rank.get(str(r["rank"]))
-        out[r["rank"]] = float(value) if isinstance(value, (int, float)) and value > 0 else float(floor)
+        value = hang.ranks.get(str(r.rank), 0.0)
+        out[r.rank] = value if value > 0 else hang.floor_s
     return out
 
 
-def _from_open(incident: dict, groups: list[Any], prefix: str = "open incident") -> Verdict:
+def _from_open(incident: Incident, groups: list[Any], prefix: str = "open incident") -> Verdict:
     """The verdict of an open incident: its own kind, culprits and runbook (a
     capture's verdict refines the category), so diagnose says what the console
     said."""
-    culprits = sorted(incident.get("culprit_ranks") or [])
-    captured = incident.get("verdict") if isinstance(incident.get("verdict"), dict) else {}
-    category = captured.get("category") or incident.get("category") or incident.get("kind", "other")
-    if not captured and culprits:
+    culprits = sorted(incident.culprit_ranks)
+    captured = incident.verdict
+    category = (captured.category if captured else None) or incident.category or incident.kind
+    if captured is None and culprits:
         group = next((g for g in groups if culprits[0] in g.ranks), None)
         if group is not None and group.category not in ("other", "collective_wait"):
             category = group.category
-    runbook = incident.get("runbook") or CATEGORY_RUNBOOK.get(category, FALLBACK_RUNBOOK)
-    ident = f" {incident['id']}" if incident.get("id") else ""
-    return Verdict(category, culprits, f"{prefix} ({incident.get('kind')}{ident}): {incident.get('summary', '')}",
-                   runbook, 0.9, [str(incident.get("summary", ""))])
+    runbook = incident.runbook or CATEGORY_RUNBOOK.get(category, FALLBACK_RUNBOOK)
+    ident = f" {incident.id}" if incident.id else ""
+    return Verdict(category, culprits, f"{prefix} ({incident.kind}{ident}): {incident.summary}",
+                   runbook, 0.9, [incident.summary])
 
 
-def _culprits(ranks: list[dict], limits: dict[int, float]) -> tuple[list[int], dict[int, list[str]]]:
+def _culprits(ranks: Sequence[RankRow], limits: dict[int, float]) -> tuple[list[int], dict[int, list[str]]]:
     """The shared culprit rule over diagnose's rows (each rank held to its own
     threshold), with the reasons for each culprit."""
-    n = len(ranks)
-    stall_s = np.array([limits[r["rank"]] for r in ranks], dtype=float)
-
-    def col(key: str, default: float) -> np.ndarray:
-        return np.array([r.get(key) if isinstance(r.get(key), (int, float)) else default for r in ranks], dtype=float)
-
-    phase = [r.get("phase") for r in ranks]
-    step = np.array([r["step"] for r in ranks], dtype=np.int64)
-    age = col("last_progress_s", 0.0)
-    hb = col("heartbeat_age_s", np.nan)
+    stall_s = np.array([limits[r.rank] for r in ranks], dtype=float)
+    phase = [r.phase for r in ranks]
+    step = np.array([r.step for r in ranks], dtype=np.int64)
+    age = np.array([r.last_progress_s for r in ranks], dtype=float)
+    hb = np.array([np.nan if r.heartbeat_age_s is None else r.heartbeat_age_s for r in ranks], dtype=float)
     fresh = bool((hb <= HEARTBEAT_STALE_S).any())
     facts = Facts(
         step=step, age=age, base=stall_s,
@@ -303,53 +295,40 @@ def _culprits(ranks: list[dict], limits: dict[int, float]) -> tuple[list[int], d
         # All heartbeats old says more about the sampling than about any rank.
         hb_stale=(hb > HEARTBEAT_STALE_S) & fresh,
         involved=age > stall_s,
-        groups=GroupEntries.of_rows([_groups(r) for r in ranks]),
+        groups=GroupEntries.of_rows([[dataclasses.asdict(g) for g in r.groups] for r in ranks]),
     )
     b = blame(facts)
-    culprits = sorted(int(ranks[i]["rank"]) for i in np.nonzero(b.culprit)[0])
-    why: dict[int, list[str]] = {r["rank"]: [] for r in ranks}
+    culprits = sorted(ranks[i].rank for i in np.nonzero(b.culprit)[0])
+    why: dict[int, list[str]] = {r.rank: [] for r in ranks}
     waiting = int(facts.in_wait.sum())
     for i, r in enumerate(ranks):
         if not b.culprit[i]:
             continue
-        reasons = why[r["rank"]]
+        reasons = why[r.rank]
         if facts.hb_stale[i]:
             reasons.append(f"heartbeat {hb[i]:.1f}s old: holds the GIL or is stopped")
         if not facts.in_wait[i] and waiting:
-            reasons.append(f"in phase '{r.get('phase')}' while {waiting} rank(s) wait in collectives")
+            reasons.append(f"in phase '{r.phase}' while {waiting} rank(s) wait in collectives")
         if step[i] < step.max():
             reasons.append(f"behind at step {step[i]} (others up to {step.max()})")
         if b.behind_seq is not None and i in b.behind_seq[2]:
             reasons.append(f"launched collectives up to #{b.behind_seq[2][i]}, others up to #{b.behind_seq[1]}")
-        if r.get("capture_error"):
-            reasons.append(f"py-spy could not sample it: {r['capture_error']}")
+        if r.capture_error:
+            reasons.append(f"py-spy could not sample it: {r.capture_error}")
     return culprits, why
 
 
-def _groups(row: dict) -> list[dict]:
-    """A row's collective groups (telemetry rows carry all of them; older ones only `collectives`)."""
-    groups = [g for g in row.get("groups") or [] if isinstance(g, dict)
-              and all(isinstance(g.get(k), int) for k in ("pg", "enqueued", "completed"))]
-    if groups:
-        return groups
-    c = row.get("collectives") or {}
-    if isinstance(c.get("enqueued"), int):
-        return [{"pg": 0, "enqueued": c["enqueued"], "completed": c.get("completed") or 0,
-                 "last_op": c.get("last_op") or ""}]
-    return []
-
-
-def _category(row: dict, group: Any, incident: dict | None, ranks: list[dict]) -> tuple[str, str | None]:
-    if incident and incident.get("kind") == "collective_mismatch":
+def _category(row: RankRow, group: Any, incident: Incident | None) -> tuple[str, str | None]:
+    if incident and incident.kind == "collective_mismatch":
         return "collective_mismatch", None
-    hb = row.get("heartbeat_age_s")
+    hb = row.heartbeat_age_s
     if group is not None and group.category not in ("other", "collective_wait"):
         return group.category, group.pattern_id
-    if row.get("state") == "stopped":
+    if row.state == "stopped":
         return "stopped", None
     if hb is not None and hb > HEARTBEAT_STALE_S:
         return "gc_collect", None
-    phase_cat = PHASE_CATEGORY.get(row.get("phase", ""))
+    phase_cat = PHASE_CATEGORY.get(row.phase)
     if phase_cat:
         return phase_cat, None
     if group is not None:
@@ -357,17 +336,14 @@ def _category(row: dict, group: Any, incident: dict | None, ranks: list[dict]) -
     return "other", None
 
 
-def _from_incident(incident: dict, prefix: str) -> Verdict:
-    verdict = incident.get("verdict")
-    if isinstance(verdict, dict) and verdict.get("category"):
-        return Verdict(
-            verdict["category"], list(verdict.get("culprit_ranks") or []),
-            f"{prefix}: {verdict.get('summary', '')}", verdict.get("runbook") or FALLBACK_RUNBOOK,
-            float(verdict.get("confidence") or 0.5), list(verdict.get("evidence") or []),
-        )
-    kind = incident.get("kind", "other")
-    category = incident.get("category") or kind
+def from_incident(incident: Incident, prefix: str) -> Verdict:
+    """The verdict an incident's capture reached (else its own words), said with `prefix`."""
+    v = incident.verdict
+    if v is not None and v.category:
+        return Verdict(v.category, list(v.culprit_ranks), f"{prefix}: {v.summary}", v.runbook or FALLBACK_RUNBOOK,
+                       v.confidence or 0.5, list(v.evidence))
+    category = incident.category or incident.kind
     return Verdict(
-        category, list(incident.get("culprit_ranks") or []), f"{prefix}: {incident.get('summary', '')}",
-        incident.get("runbook") or CATEGORY_RUNBOOK.get(category, FALLBACK_RUNBOOK), 0.6, [],
+        category, list(incident.culprit_ranks), f"{prefix}: {incident.summary}",
+        incident.runbook or CATEGORY_RUNBOOK.get(category, FALLBACK_RUNBOOK), 0.6, [],
     )

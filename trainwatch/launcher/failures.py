@@ -162,8 +162,8 @@ def nonfinite_end(job_dir: state.JobDir, table, nslots: int, run: str) -> str | 
              and f.generation == last}
     start = state.finite_number((job_dir.read_job() or {}).get("start_time")) or 0.0
     for incident in job_dir.incidents() if bad else ():
-        if incident.get("kind") == "loss_nan" and _when(incident.get("time")) >= start:
-            named.update(r for r in incident.get("culprit_ranks") or [] if isinstance(r, int) and r in bad)
+        if incident.kind == "loss_nan" and _when(incident.time) >= start:
+            named.update(r for r in incident.culprit_ranks if r in bad)
     if not named:
         return None
     rank = min(named)

@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from trainwatch import jobstore, kinds, liveness, rankrow, slots, state
+from trainwatch import jobstore, kinds, liveness, rankrow, records, slots, state
 from trainwatch.capture import capture_ranks
 from trainwatch.diagnostics import goodput, utilisation
 from trainwatch.diagnostics import verdict as verdict_mod
@@ -34,10 +34,10 @@ def job_is_live(job: dict) -> bool:
     return liveness.status_of(job) in liveness.LIVE_STATUSES
 
 
-def read_ranks(job: dict, job_dir: state.JobDir, telemetry: dict | None = None) -> list[dict]:
+def read_ranks(job: dict, job_dir: state.JobDir, telemetry: dict | None = None) -> list[rankrow.RankRow]:
     """Per-rank telemetry: from the live segment when the job runs, else the last
     snapshot (`telemetry`: telemetry.json already read)."""
-    rows: list[dict] = []
+    rows: list[rankrow.RankRow] = []
     path = job.get("slots")
     if job_is_live(job) and isinstance(path, str):
         try:
@@ -47,16 +47,16 @@ def read_ranks(job: dict, job_dir: state.JobDir, telemetry: dict | None = None) 
         if seg is not None:
             node = job.get("node") if isinstance(job.get("node"), str) else ""
             try:
-                rows = rankrow.rows_json(rankrow.decode(seg.read_table(), time.monotonic(), node))
+                rows = rankrow.decode(seg.read_table(), time.monotonic(), node)
             finally:
                 seg.close()
     telemetry = job_dir.telemetry() if telemetry is None else telemetry
     if not rows:
         rows = rankrow.rows_from_json(telemetry.get("ranks"))
     # A multi-node job: the other nodes' ranks, as the job-wide view last saw them.
-    mine = {r.get("node") for r in rows}
-    rows += [r for r in rankrow.rows_from_json(telemetry.get("job_ranks")) if r.get("node") not in mine]
-    rows.sort(key=lambda r: r["rank"])
+    mine = {r.node for r in rows}
+    rows += [r for r in rankrow.rows_from_json(telemetry.get("job_ranks")) if r.node not in mine]
+    rows.sort(key=lambda r: r.rank)
     return rows
 
 
@@ -76,9 +76,9 @@ class RemoteCapture:
         self.store, self.n, self.nodes = store, n, nodes
 
     @classmethod
-    def ask(cls, job: dict, remote_rows: list[dict], job_dir: state.JobDir) -> RemoteCapture | None:
+    def ask(cls, job: dict, remote_rows: list[rankrow.RankRow], job_dir: state.JobDir) -> RemoteCapture | None:
         info = job.get("store") if isinstance(job.get("store"), dict) else {}
-        nodes = {str(r.get("node")) for r in remote_rows if r.get("node")}
+        nodes = {r.node for r in remote_rows if r.node}
         if not nodes or not isinstance(info.get("endpoint"), str) or not isinstance(info.get("namespace"), str):
             return None
         try:
@@ -128,7 +128,7 @@ def merge_groups(groups: list[StackGroup]) -> list[StackGroup]:
     return sorted(merged.values(), key=lambda g: (-len(g.ranks), g.ranks))
 
 
-def phase_of_job(job: dict, ranks: list[dict], live: bool) -> str:
+def phase_of_job(job: dict, ranks: list[rankrow.RankRow], live: bool) -> str:
     """running, starting (ranks importing, no step yet), restarting, finished
     (every rank done while the launcher wraps up), or job.json's status."""
     if not live:
@@ -137,39 +137,18 @@ def phase_of_job(job: dict, ranks: list[dict], live: bool) -> str:
         return "restarting"
     expected = len(job.get("ranks") or []) if isinstance(job.get("ranks"), list) else 0
     expected = expected or (job.get("nproc_per_node") if isinstance(job.get("nproc_per_node"), int) else 0)
-    if ranks and all(r.get("phase") == "done" for r in ranks):
+    if ranks and all(r.phase == "done" for r in ranks):
         return "finished"
     started = time.time() - (_num(job.get("workers_started_time")) or _num(job.get("start_time")) or time.time())
     young = started < STARTUP_GRACE_S
-    if young and (len(ranks) < expected or not ranks or all(
-            (r.get("step") or 0) == 0 and not r.get("batches") for r in ranks)):
+    if young and (len(ranks) < expected or not ranks or all(r.step == 0 and not r.batches for r in ranks)):
         # New workers after a restart are still the restart: its cause is the verdict.
         return "restarting" if _num(job.get("restarts")) > 0 else "starting"
     return "running"
 
 
-def hardware_findings(incidents: list[dict]) -> list[dict]:
-    out = []
-    for i in incidents:
-        if i.get("kind") in kinds.HARDWARE_KINDS:
-            ev = i.get("evidence") or {}
-
-            def text(key: str) -> str | None:
-                return ev[key] if isinstance(ev.get(key), str) else None
-
-            out.append(
-                {
-                    "gpu": ev.get("gpu") if isinstance(ev.get("gpu"), (int, str)) else None,
-                    "xid": ev.get("xid") if state.is_int(ev.get("xid")) else None,
-                    "meaning": text("meaning") or i.get("summary"),
-                    "severity": i.get("severity"),
-                    "rank": next(iter(i.get("culprit_ranks") or []), None),
-                    "action": text("action"),
-                    "kind": i.get("kind"),
-                    "evidence": text("line"),
-                }
-            )
-    return out
+def hardware_findings(incidents: list[records.Incident]) -> list[records.HardwareFinding]:
+    return [records.HardwareFinding.of(i) for i in incidents if i.kind in kinds.HARDWARE_KINDS]
 
 
 def _starting_report(job_name: str, marker: dict) -> dict:
@@ -198,31 +177,22 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
     telemetry = job_dir.telemetry()  # read once: at 4096 ranks it is megabytes
     ranks = read_ranks(job, job_dir, telemetry)
     if node is not None:
-        ranks = [r for r in ranks if r.get("node") == node]
+        ranks = [r for r in ranks if r.node == node]
     status = phase_of_job(job, ranks, live)
     groups: list = []
     # Start-up stacks (imports, rendezvous) and finished ranks say nothing about a hang.
     if live and capture and ranks and status == "running":
         per_rank = max(1.0, min(5.0, timeout_s - 1.0))
         here = job.get("node") if isinstance(job.get("node"), str) else None
-        local = [r for r in ranks if here is None or r.get("node") in (here, "", None)]  # py-spy: our own pids only
+        local = [r for r in ranks if here is None or r.node in (here, "")]  # py-spy: our own pids only
         remote = RemoteCapture.ask(job, [r for r in ranks if r not in local], job_dir)
-        groups, _where, _failed = capture_ranks(local, job=job_dir, label="diagnose", timeout_s=per_rank,
-                                                native=native, budget_s=per_rank)
+        groups, _where, _failed, seen = capture_ranks(local, job=job_dir, label="diagnose", timeout_s=per_rank,
+                                                      native=native, budget_s=per_rank)
         if remote is not None:
             groups = merge_groups(groups + remote.collect(deadline=time.monotonic() + per_rank + 2.0))
-    for r in ranks:
-        if "state" in r:
-            continue
-        if live and r.get("node") not in (job.get("node"), "", None):
-            r["state"] = "remote"
-        elif live:
-            try:
-                r["state"] = psutil.Process(r["pid"]).status()
-            except (psutil.Error, KeyError, TypeError, ValueError):
-                r["state"] = "gone"
-        else:
-            r["state"] = "exited"
+        captured = {r.rank: r for r in seen}
+        ranks = [captured.get(r.rank, r) for r in ranks]
+    ranks = [r if r.state is not None else dataclasses.replace(r, state=_process_state(r, job, live)) for r in ranks]
     hardware = hardware_findings(incidents)
     v = _verdict(job, status, live, ranks, groups, incidents, hardware, telemetry.get("thresholds"))
     samples, no_samples, simulated = utilisation.samples_from_telemetry(telemetry)
@@ -233,6 +203,18 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
     # Productive time over wall time and badput by cause, as the sidecar last counted it.
     report["goodput"] = goodput.typed_record(telemetry.get("goodput"))
     return report
+
+
+def _process_state(row: rankrow.RankRow, job: dict, live: bool) -> str:
+    """What the rank's process is doing now: `remote` (another node's), `exited` (a finished job)."""
+    if not live:
+        return "exited"
+    if row.node not in (job.get("node"), ""):
+        return "remote"
+    try:
+        return psutil.Process(row.pid).status()
+    except (psutil.Error, TypeError, ValueError):
+        return "gone"
 
 
 def _num(value: Any) -> float:
@@ -251,27 +233,27 @@ def _verdict(job, status, live, ranks, groups, incidents, hardware, thresholds=N
     if status == "restarting":
         cause = _restart_cause(incidents)
         if cause is not None:
-            return verdict_mod._from_incident(cause, "restarting after")
+            return verdict_mod.from_incident(cause, "restarting after")
         return verdict_mod.Verdict("other", [], "the worker group is restarting", "restart-loop", 0.5, [])
     if status in ("finished", "succeeded"):
-        faults = [i for i in incidents if i.get("kind") != "restart"]
+        faults = [i for i in incidents if i.kind != "restart"]
         note = f" ({len(faults)} incident(s) along the way; see incidents)" if faults else ""
         return verdict_mod.Verdict("finished", [], f"job finished normally{note}", "finished", 0.95, [])
     if live:
         return verdict_mod.decide(ranks, groups, incidents, hardware, thresholds)
     if incidents:
-        last = next((i for i in reversed(incidents) if i.get("kind") != "restart"), incidents[-1])
-        return verdict_mod._from_incident(last, f"job {job.get('status', 'finished')}; last incident")
+        last = next((i for i in reversed(incidents) if i.kind != "restart"), incidents[-1])
+        return verdict_mod.from_incident(last, f"job {job.get('status', 'finished')}; last incident")
     return verdict_mod.Verdict("other", [], f"job {status} with no incidents recorded", "hang", 0.3, [])
 
 
-def _restart_cause(incidents: list[dict]) -> dict | None:
+def _restart_cause(incidents: list[records.Incident]) -> records.Incident | None:
     """The incident the current restart is for: the last one that asked for a
     restart, or the last crash (torchelastic restarts those by itself)."""
     for i in reversed(incidents):
-        if i.get("kind") == "restart":
+        if i.kind == "restart":
             return None
-        if (i.get("restart") or {}).get("requested") or i.get("kind") == "crash":
+        if i.restart_requested or i.kind == "crash":
             return i
     return None
 
@@ -290,21 +272,21 @@ def _report(job_name, status, v, ranks, groups, hardware, incidents, gpu: dict) 
         },
         "ranks": [
             {
-                "rank": r["rank"],
-                "node": r.get("node"),
-                "pid": r.get("pid"),
-                "step": r.get("step"),
-                "phase": r.get("phase"),
-                "last_progress_s": r.get("last_progress_s"),
-                "collectives": r["collectives"],
-                "loss": r.get("loss"),
-                "grad_norm": r.get("grad_norm"),
-                "step_s": r.get("step_s"),
-                "step_source": r.get("step_source"),
-                "batches": r.get("batches"),
-                "state": r.get("state"),
-                "heartbeat_age_s": r.get("heartbeat_age_s"),
-                "capture_error": r.get("capture_error"),
+                "rank": r.rank,
+                "node": r.node,
+                "pid": r.pid,
+                "step": r.step,
+                "phase": r.phase,
+                "last_progress_s": r.last_progress_s,
+                "collectives": r.collectives,
+                "loss": r.loss,
+                "grad_norm": r.grad_norm,
+                "step_s": r.step_s,
+                "step_source": r.step_source,
+                "batches": r.batches,
+                "state": r.state,
+                "heartbeat_age_s": r.heartbeat_age_s,
+                "capture_error": r.capture_error,
             }
             for r in ranks
         ],
@@ -319,8 +301,9 @@ def _report(job_name, status, v, ranks, groups, hardware, incidents, gpu: dict) 
             }
             for g in groups
         ],
-        "hardware": [{k: h[k] for k in ("gpu", "xid", "meaning", "severity")} | {"rank": h["rank"]} for h in hardware],
-        "incidents": incidents[-20:],
+        "hardware": [{"gpu": h.gpu, "xid": h.xid, "meaning": h.meaning, "severity": h.severity, "rank": h.rank}
+                     for h in hardware],
+        "incidents": [i.view() for i in incidents[-20:]],
         "goodput": None,
         **gpu,
     }

@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from trainwatch import kinds, liveness, rankrow, state
+from trainwatch import kinds, liveness, rankrow, records, state
 from trainwatch.diagnostics import goodput
 from trainwatch.usage import Parser, fail, printable
 
@@ -36,9 +36,9 @@ MAX_RANKS = 1 << 20
 """A job.json world size above this is junk, not a job."""
 
 
-def _event_time(event: dict) -> float | None:
+def _event_time(event: records.Incident) -> float | None:
     try:
-        return datetime.fromisoformat(str(event.get("time"))).timestamp()
+        return datetime.fromisoformat(event.time).timestamp()
     except (ValueError, OverflowError, OSError):  # not a time, or one no calendar holds
         return None
 
@@ -95,16 +95,16 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
             continue
         events.append({
             "t": t,
-            "kind": str(e.get("kind", "unknown")),
-            "culprits": [r for r in e.get("culprit_ranks") or [] if isinstance(r, int)],
-            "summary": str(e.get("summary") or ""),
-            "runbook": str(e.get("runbook") or ""),
-            "category": str(e.get("category") or ""),
-            "severity": str(e.get("severity") or ""),
-            "id": str(e.get("id") or ""),
+            "kind": e.kind,
+            "culprits": e.culprit_ranks,
+            "summary": e.summary,
+            "runbook": e.runbook or "",
+            "category": e.category or "",
+            "severity": e.severity,
+            "id": e.id or "",
             # open / resolved, and for how long: the same lifecycle the console and diagnose show
-            "status": str(e.get("status") or ""),
-            "duration_s": state.finite_number(e.get("duration_s")),
+            "status": e.status,
+            "duration_s": e.resolution.duration_s if e.resolution is not None else None,
         })
     events.sort(key=lambda e: e["t"])
     nsamples, series = d.read_history(MAX_POINTS)
@@ -123,7 +123,7 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
         kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
     steps = [x for s in series.values() for x in s["step"] if x is not None]
     if not steps:
-        steps = [r["step"] for r in rankrow.rows_from_json(d.telemetry().get("ranks"))]
+        steps = [r.step for r in rankrow.rows_from_json(d.telemetry().get("ranks"))]
     # job.json fields of the wrong type (or absurd size) read as missing.
     world = next((n for n in (record.get("world_size"), record.get("nproc_per_node"))
                   if state.is_int(n) and 0 < n <= MAX_RANKS), 0)

@@ -13,8 +13,8 @@ def failure_summary(job: str, restarts: int, max_restarts: int, cause: str | Non
     events = state.JobDir(job).incidents()
     kinds: dict[str, int] = {}
     for e in events:
-        kinds[e.get("kind", "?")] = kinds.get(e.get("kind", "?"), 0) + 1
-    last = next((e for e in reversed(events) if e.get("kind") not in ("restart",)), None)
+        kinds[e.kind] = kinds.get(e.kind, 0) + 1
+    last = next((e for e in reversed(events) if e.kind != "restart"), None)
     lines = [f"[trainwatch] summary for job {job}:"]
     lines.append(f"  restarts: {restarts} of {max_restarts} allowed"
                  + (" (budget spent)" if max_restarts and restarts >= max_restarts else ""))
@@ -22,9 +22,9 @@ def failure_summary(job: str, restarts: int, max_restarts: int, cause: str | Non
         lines.append(f"  error: {cause}")
     lines.append("  incidents: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"))
     if last is not None:
-        verdict = last.get("verdict") or {}
-        lines.append(f"  last: {last.get('kind')}: {verdict.get('summary') or last.get('summary', '')}")
-        runbook = verdict.get("runbook") or last.get("runbook")
+        verdict = last.verdict
+        lines.append(f"  last: {last.kind}: {(verdict.summary if verdict else '') or last.summary}")
+        runbook = (verdict.runbook if verdict else None) or last.runbook
         if runbook:
             lines.append(f"  next: trainwatch runbook {runbook}")
     lines.append(f"  details: trainwatch diagnose {job}")

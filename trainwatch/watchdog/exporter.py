@@ -185,12 +185,11 @@ def _open_incidents(job: str, sc: Source) -> Iterator:
     counts = {(k.name, k.severity): 0 for k in kinds.KINDS.values()}
     oldest: dict[str, float] = {}
     now = time.time()
-    for record in getattr(sc, "open_incidents", lambda: [])():
-        kind, severity = str(record.get("kind")), str(record.get("severity"))
+    for incident in getattr(sc, "open_incidents", lambda: [])():
+        kind, severity = incident.kind, incident.severity
         counts[(kind, severity)] = counts.get((kind, severity), 0) + 1
-        since = record.get("opened_time")
-        if isinstance(since, (int, float)):
-            oldest[kind] = max(oldest.get(kind, 0.0), now - since)
+        if incident.opened_time is not None:
+            oldest[kind] = max(oldest.get(kind, 0.0), now - incident.opened_time)
     for (kind, severity), n in sorted(counts.items()):
         opened.add_metric([job, sc.node, kind, severity], float(n))
     for kind, seconds in sorted(oldest.items()):

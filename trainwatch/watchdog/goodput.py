@@ -27,18 +27,17 @@ class GoodputFeed:
         if self.ledger.first_step is None and len(live) == nslots and (live["progress_mono"] > live["start_mono"]).all():
             self.ledger.stepped(self.clock())
 
-    def opened(self, record: dict, table, foreign: bool) -> None:
+    def opened(self, incident: Incident, table, foreign: bool) -> None:
         """An incident was recorded; `foreign`: a job incident taken from the
         store, whose times are another node's clock (timed from now here)."""
-        detected = record.get("detected_mono")
-        detected = float(detected) if isinstance(detected, (int, float)) and not foreign else self.clock()
-        restarting = isinstance(record.get("restart"), dict) and record["restart"].get("requested") is True
-        self.ledger.opened(str(record["id"]), str(record.get("kind")), detected,
-                           None if foreign else fault_began(record, table), restarting=restarting)
+        detected = incident.detected_mono if not foreign else self.clock()
+        self.ledger.opened(str(incident.id), incident.kind, detected,
+                           None if foreign else fault_began(incident.culprit_ranks, table),
+                           restarting=incident.restart_requested)
         if table is not None and len(table):
             step_s = table["step_s"][np.isfinite(table["step_s"]) & (table["step_s"] > 0)]
             if len(step_s):
-                self._step_s[str(record["id"])] = float(np.median(step_s))
+                self._step_s[str(incident.id)] = float(np.median(step_s))
 
     def timings_to(self, tracker: Callable[..., None]) -> Callable[..., None]:
         """The responder's `add_timings`: the restart tracker's, and the moment

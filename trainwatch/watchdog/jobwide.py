@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -84,24 +84,21 @@ class JobResolved:
     kind: str = "resolved"
 
 
-def store_record(raw: Any) -> dict | None:
+def store_record(raw: Any) -> Incident | JobResolved | None:
     """A job-store incident record checked against its declaration (an incident
-    with the aggregator's tags, or a `resolved`), re-encoded; None when it does
-    not fit (the store's secret already keeps out forgeries: this keeps out
-    a newer or broken writer's records)."""
-    if isinstance(raw, dict) and raw.get("kind") == "resolved":
-        done = codec.decode(JobResolved, raw)
-        return codec.encode(done) if done is not None else None
+    with the aggregator's tags, or a `resolved`); None when it does not fit (the
+    store's secret already keeps out forgeries: this keeps out a newer or broken
+    writer's records). The incident keeps the aggregator's `time` and
+    `opened_time`: when it was raised, not when this node read it."""
+    done = codec.decode(JobResolved, raw)
+    if done is not None and done.kind == "resolved":
+        return done
     incident, tags = Incident.from_json(raw), codec.decode(JobTags, raw)
-    if incident is None or tags is None:
+    if incident is None or tags is None or incident.kind == "resolved":
         return None
-    out = incident.to_json() | codec.encode(tags)
-    # When the aggregator raised it, not when this node read it.
-    if isinstance(raw.get("time"), str):
-        out["time"] = raw["time"][:64]
-    if (opened := records.finite_number(raw.get("opened_time"))) is not None:
-        out["opened_time"] = opened
-    return out
+    incident.id, incident.scope, incident.nodes, incident.node = tags.id, tags.scope, tags.nodes, tags.node
+    incident.restart = None  # each node's gate decides its own restart
+    return incident
 
 
 # ---- summaries --------------------------------------------------------------------------
@@ -131,10 +128,9 @@ def node_causes(node: str, restarting: bool, open_here) -> dict[str, list[str]]:
     explain the stalls of the ranks waiting on them (a crash). The aggregator
     mutes what they explain, as this node's own engine does."""
     out = {f"a restart under way on {node}": sorted(kinds.RESTART_QUIET)} if restarting else {}
-    for record in open_here:
-        kind = record.get("kind")
-        if record.get("scope") != "job" and kind in kinds.MUTES:
-            out[f"the {kind} on {node}"] = sorted(kinds.MUTES[kind])
+    for incident in open_here:
+        if incident.scope != "job" and incident.kind in kinds.MUTES:
+            out[f"the {incident.kind} on {node}"] = sorted(kinds.MUTES[incident.kind])
     return out
 
 
@@ -267,14 +263,14 @@ def job_scope(detectors: list, *, aggregator: bool) -> list:
     return [d for d in detectors if (d.name in JOB_SCOPE) == aggregator]
 
 
-def told_here(record: dict, open_here) -> bool:
+def told_here(incident: Incident, open_here: Iterable[Incident]) -> bool:
     """A job incident this node already has open as its own: the same kind
     about the same culprits (a rank here its process state showed stopped,
     before the job's hang detector called the same stall). One fault, one
     incident: the node keeps its own, with the actions it already took."""
-    culprits = sorted(record.get("culprit_ranks") or [])
-    return bool(culprits) and any(o.get("scope") != "job" and o.get("kind") == record.get("kind")
-                                  and sorted(o.get("culprit_ranks") or []) == culprits for o in open_here)
+    culprits = incident.culprit_ranks
+    return bool(culprits) and any(o.scope != "job" and o.kind == incident.kind and o.culprit_ranks == culprits
+                                  for o in open_here)
 
 
 # ---- one node's part in the job-wide watchdog ------------------------------------------
@@ -326,7 +322,9 @@ class JobWideNode:
                                  name="trainwatch-remote-capture").start()
             self.incidents_seen, taken = self.store.incidents_since(self.incidents_seen)
             for record in filter(None, map(store_record, taken)):
-                if not told_here(record, sc.open.values()):
+                if isinstance(record, JobResolved):  # a job incident the aggregator saw end
+                    sc.resolve(record.incident, record.duration_s, record.count, record.reason)
+                elif not told_here(record, sc.open.values()):
                     sc.emit(record)
             self.store_failed = False
         except Exception as e:  # a store that went away raises torch's DistNetworkError, RuntimeError, ...
@@ -357,23 +355,22 @@ class JobWideNode:
                 self.store.add_incident(codec.encode(JobResolved(job_id, round(res.duration_s, 3), res.count,
                                                                   res.reason)))
         for incident in new:
-            record = incident.to_json()
-            nodes = self.aggregator.nodes_of(record.get("culprit_ranks") or [])
+            nodes = self.aggregator.nodes_of(incident.culprit_ranks)
             if incident.kind == "node_lost":
                 nodes = [incident.evidence["node"]]
             self.published_incidents += 1
-            record.update(scope="job", nodes=nodes, node=",".join(nodes) or sc.node,
-                          id=f"job-{sc.run_id or os.getpid()}-{self.published_incidents}-{incident.kind}")
+            incident.scope, incident.nodes, incident.node = "job", nodes, ",".join(nodes) or sc.node
+            incident.id = f"job-{sc.run_id or os.getpid()}-{self.published_incidents}-{incident.kind}"
             self.incident_counts[incident.kind] = self.incident_counts.get(incident.kind, 0) + 1
-            self.job_ids[incident.key] = record["id"]
-            self.store.add_incident(record)
+            self.job_ids[incident.key] = incident.id
+            self.store.add_incident(incident.to_json())
 
     def capture_for(self, n: int) -> None:
         """Another node's `diagnose` asked for every rank's stack: this node's ranks, grouped."""
         sc = self.sidecar
         try:
-            rows = [r for r in sc.snapshot() if r.get("pid")]
-            groups, _where, _failed = capture_ranks(rows, job=sc.dir, label="remote", timeout_s=5.0)
+            rows = [r for r in sc.rows() if r.pid]
+            groups, _where, _failed, _rows = capture_ranks(rows, job=sc.dir, label="remote", timeout_s=5.0)
             self.store.publish_stacks(n, sc.node, [dataclasses.asdict(g) for g in groups])
         except Exception:  # the asking side times out and says so
             log.exception("trainwatch: remote stack capture failed")

@@ -31,10 +31,9 @@ def _delta(a, b) -> float | None:
     return round(max(0.0, float(b) - float(a)), 3)
 
 
-def fault_began(record: dict, table) -> float | None:
+def fault_began(culprits: list[int], table) -> float | None:
     """When the fault of an incident began: its culprits' last progress in
     `table` (monotonic s); None when no culprit is in it."""
-    culprits = record.get("culprit_ranks") or []
     if table is None or not culprits or not len(table):
         return None
     rows = table[np.isin(table["rank"], list(culprits))]
@@ -71,7 +70,7 @@ class RestartTracker:
             detected = self.clock() - min(max(0.0, time.time() - float(when)), 600.0)
         fault: dict[str, Any] = {"kind": record.get("kind"), "culprit_ranks": record.get("culprit_ranks") or [],
                                  "detected_mono": detected or self.clock(), "id": record.get("id")}
-        began = fault_began(record, table)
+        began = fault_began(record.get("culprit_ranks") or [], table)
         if began is not None:
             fault["fault_mono"] = began
         with self._lock:

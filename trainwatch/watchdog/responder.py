@@ -111,7 +111,7 @@ class ResponderContext:
     node: str
     run: str
     """This run's id: the agent only obeys requests of its own run."""
-    incidents: Callable[[], list[dict]]
+    incidents: Callable[[], list[records.Incident]]
     """The job's open incidents (for the verdict)."""
     thresholds: Callable[[], dict] = dict
     """The hang thresholds in force (for the verdict, as telemetry.json has them)."""
@@ -206,11 +206,12 @@ class Responder:
     def capture(self, record: dict) -> dict:
         ctx = self.ctx
         t0 = time.monotonic()
-        rows = rankrow.rows_json(rankrow.decode(ctx.segment.read_table(), time.monotonic(), ctx.node))
-        groups, where, failed = capture_ranks(rows, job=ctx.job, label=str(record.get("kind")),
-                                              timeout_s=self.policy.capture_timeout_s)
-        current = [i for i in ctx.incidents() if i.get("id") != record.get("id")]
-        v = decide(rows, groups, current + [record], [], ctx.thresholds())
+        rows = rankrow.decode(ctx.segment.read_table(), time.monotonic(), ctx.node)
+        groups, where, failed, rows = capture_ranks(rows, job=ctx.job, label=str(record.get("kind")),
+                                                    timeout_s=self.policy.capture_timeout_s)
+        own = records.Incident.from_json(record)
+        current = [i for i in ctx.incidents() if i.id != record.get("id")] + ([own] if own is not None else [])
+        v = decide(rows, groups, current, [], ctx.thresholds())
         return {
             "capture": {"dir": str(where), "seconds": round(time.monotonic() - t0, 3), "ranks": len(rows),
                         "failed": failed},

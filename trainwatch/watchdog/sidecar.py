@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Iterator
 
 
-from trainwatch import kinds, procctl, rankrow, slots, state
+from trainwatch import kinds, procctl, rankrow, records, slots, state
 from trainwatch.diagnostics.goodput import Goodput
 from trainwatch.watchdog import otel, thresholds
 from trainwatch.watchdog.config import SidecarConfig
@@ -85,9 +85,9 @@ class Sidecar:
         self._incident_seq = 0
         self.last_nodes: list[str] = []
         self.incident_counts: dict[str, int] = {}
-        self.incidents: list[dict] = []
-        self.open: dict[str, dict] = {}
-        """Open incidents (id -> record), until resolved."""
+        self.incidents: list[Incident] = []
+        self.open: dict[str, Incident] = {}
+        """Open incidents (by id), until resolved."""
         self._open_keys: dict[str, str] = {}
         """Engine key -> id of the open incident this node's engine raised."""
         self.step_hist = StepHistogram()
@@ -234,14 +234,14 @@ class Sidecar:
     def record_recovery(self, restart: Incident) -> dict:
         """A restarted worker group is back to training: an action of the incident
         it restarted for (not an incident of its own), recorded and said once."""
-        record = restart.to_json()
-        record.update(id=f"{self.node}-{os.getpid()}-restart-{restart.evidence.get('restart')}", node=self.node,
-                      job=self.job)
+        restart.id = f"{self.node}-{os.getpid()}-restart-{restart.evidence.get('restart')}"
+        restart.node, restart.job = self.node, self.job
         cause = restart.evidence.get("cause_id")
         if cause:
-            record["incident"] = cause
+            restart.incident = str(cause)
+        record = restart.to_json()
         self.dir.append_event(record)
-        self.incidents.append(record)
+        self.incidents.append(restart)
         self.goodput.recovered(restart, str(cause) if cause else None)
         about = f" after {restart.evidence.get('cause')} {cause}" if cause else ""
         print(f"[trainwatch] RECOVERED{about}: {record.get('summary', '')}", file=self.out, flush=True)
@@ -249,62 +249,61 @@ class Sidecar:
 
     def resolve(self, incident_id: str | None, duration_s: float, count: int, reason: str) -> None:
         """An open incident is over: recorded (a `resolved` record naming it) and said."""
-        record = self.open.pop(incident_id, None) if incident_id else None
-        if record is None:
+        incident = self.open.pop(incident_id, None) if incident_id else None
+        if incident is None:
             return
         self.goodput.resolved(incident_id)
         self.dir.append_event({"kind": "resolved", "incident": incident_id, "time": time.time(),
                                "duration_s": round(duration_s, 3), "count": count, "reason": reason})
-        print(f"[trainwatch] RESOLVED {record.get('kind')} {incident_id} after {duration_s:.1f}s ({reason})",
+        print(f"[trainwatch] RESOLVED {incident.kind} {incident_id} after {duration_s:.1f}s ({reason})",
               file=self.out, flush=True)
 
-    def open_incidents(self) -> list[dict]:
+    def open_incidents(self) -> list[Incident]:
         """Open incidents this node counts (for trainwatch_incident_open): a job
         incident is counted by the aggregator's node alone, so it pages once."""
         counted = self.jobwide is None or self.jobwide.aggregator is not None
-        return [r for r in self.open.values() if counted or r.get("scope") != "job"]
+        return [i for i in self.open.values() if counted or i.scope != "job"]
 
-    def emit(self, incident: Incident | dict) -> dict:
+    def emit(self, incident: Incident) -> dict:
         """Record, print and hand on an incident, at once: the response follows."""
-        record = incident.to_json() if isinstance(incident, Incident) else dict(incident)
-        if record.get("kind") == "resolved":  # a job incident the aggregator saw end
-            self.resolve(str(record.get("incident")), float(record.get("duration_s") or 0.0),
-                         int(record.get("count") or 1), str(record.get("reason") or "resolved"))
-            return record
         self._incident_seq += 1
-        record.setdefault("id", f"{self.node}-{os.getpid()}-{self._incident_seq}")
-        record.setdefault("opened_time", time.time())
-        record.setdefault("node", self.node)
-        record.setdefault("job", self.job)
+        if incident.id is None:
+            incident.id = f"{self.node}-{os.getpid()}-{self._incident_seq}"
+        if incident.opened_time is None:
+            incident.opened_time = time.time()
+        incident.node = self.node if incident.node is None else incident.node
+        incident.job = self.job if incident.job is None else incident.job
+        record = incident.to_json()
         table = self.last_table
         generation = int(table["restart"].max()) if table is not None and len(table) else 0
         restart, why = self.gate.decide(record, incident_step(record, table), generation)
         if restart or why:
-            record["restart"] = {"requested": restart} | ({"why": why} if why else {})
+            incident.restart = records.RestartDecision(restart, why or None)
+            record = incident.to_json()
         if restart or (record.get("kind") == "crash" and not self.recovery.has_fault()):
             self.recovery.note_fault(record, table)
         elif record.get("kind") == "loss_nan" and not self.recovery.has_fault():
             self.recovery.note_fault(record, table, tentative=True)  # the trainer's --nan-policy fail stops it
         self.dir.append_event(record)
         # A job incident taken from the store carries the aggregator's clock.
-        self.goodput.opened(record, table, record.get("scope") == "job" and (
+        self.goodput.opened(incident, table, incident.scope == "job" and (
             self.jobwide is None or self.jobwide.aggregator is None))
-        kind = record.get("kind", "unknown")
+        kind = incident.kind
         # A job incident is counted by the aggregator's node alone: alerts on the
         # counters fire once per job, not once per node that took it.
-        if record.get("scope") != "job" or self.jobwide is None or self.jobwide.aggregator is not None:
+        if incident.scope != "job" or self.jobwide is None or self.jobwide.aggregator is not None:
             self.incident_counts[kind] = self.incident_counts.get(kind, 0) + 1
-        self.open[record["id"]] = record
-        if isinstance(incident, Incident):
-            self._open_keys[incident.key] = record["id"]
-        self.incidents.append(record)
-        culprits = ",".join(str(r) for r in record.get("culprit_ranks") or []) or "-"
-        if record.get("scope") == "job" and record.get("nodes"):
-            culprits += f" on node {','.join(map(str, record['nodes']))}"
+        self.open[incident.id] = incident
+        if incident.scope != "job":
+            self._open_keys[incident.key] = incident.id
+        self.incidents.append(incident)
+        culprits = ",".join(str(r) for r in incident.culprit_ranks) or "-"
+        if incident.scope == "job" and incident.nodes:
+            culprits += f" on node {','.join(incident.nodes)}"
         # Summaries carry what ranks and logs said (op names, errors): never raw to the terminal.
-        print(printable(f"[trainwatch] INCIDENT {kind} culprit rank(s) {culprits}: {record.get('summary', '')}"
-                        + (f" (runbook: trainwatch runbook {record['runbook']})" if record.get("runbook") else "")
-                        + f" [{record['id']}]", newlines=False), file=self.out, flush=True)
+        print(printable(f"[trainwatch] INCIDENT {kind} culprit rank(s) {culprits}: {incident.summary}"
+                        + (f" (runbook: trainwatch runbook {incident.runbook})" if incident.runbook else "")
+                        + f" [{incident.id}]", newlines=False), file=self.out, flush=True)
         if why:
             print(printable(f"[trainwatch] {why}", newlines=False), file=self.out, flush=True)
         span = self.tracer.start(record) if self.tracer is not None else None
