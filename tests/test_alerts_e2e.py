@@ -84,7 +84,7 @@ def test_a_persistent_straggler_pages_once(tmp_path):
         try:
             opened = wait_for(lambda: [e for e in events(home, JOB) if e.kind == "straggler"], 180,
                               what="the straggler incident")[0]
-            wait_for(lambda: time.time() - opened["opened_time"] > run_s or proc.poll() is not None, run_s + 60,
+            wait_for(lambda: time.time() - opened.opened_time > run_s or proc.poll() is not None, run_s + 60,
                      interval=0.5, what="the straggler to outlast the rule's `for`")
             assert proc.poll() is None, log_path.read_text()[-3000:]
             end = time.time()
@@ -100,7 +100,7 @@ def test_a_persistent_straggler_pages_once(tmp_path):
     times = [float(t) for t, _ in fired[0]["values"]]
     assert times and max(b - a for a, b in zip(times, times[1:] + times[-1:])) <= 2.0, times
     # ... the rule's `for` after the incident opened, not before (a scrape of slack).
-    assert times[0] - opened["opened_time"] >= for_s - 1.0, times[0] - opened["opened_time"]
+    assert times[0] - opened.opened_time >= for_s - 1.0, times[0] - opened.opened_time
     assert pending and min(float(t) for s in pending for t, _ in s["values"]) < times[0]
     # One incident for the whole run, still open, with one console line.
     stragglers = [e for e in events(home, JOB) if e.kind == "straggler"]

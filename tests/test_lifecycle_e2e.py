@@ -160,7 +160,7 @@ def test_node_name_names_the_node_everywhere(tmp_path):
     rec = job_json(tmp_path, job) or json.loads((tmp_path / "jobs" / job / "nodes" / "nodeA" / "job.json").read_text())
     assert {r["node"] for r in rec["ranks"]} == {"nodeA"}, rec["ranks"]
     crash = [e for e in events(tmp_path, job) if e.kind == "crash"]
-    assert crash and crash[0]["node"] == "nodeA"
+    assert crash and crash[0].node == "nodeA"
     assert "vm" not in {r.get("node") for r in rec["ranks"]}
 
 

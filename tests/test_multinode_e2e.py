@@ -239,7 +239,7 @@ def test_losing_the_rendezvous_host_is_named_on_the_surviving_node(tmp_path):
         assert f"rendezvous host 127.0.0.1:{nodes.port} no longer answers" in out, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
         lost = [e for e in events(nodes.homes[1], nodes.job) if e.kind == "node_lost"]
-        assert lost and "rendezvous host" in lost[-1]["summary"], lost
+        assert lost and "rendezvous host" in lost[-1].summary, lost
         crashes = [e for e in events(nodes.homes[1], nodes.job) if e.kind == "crash"]
         assert not [e for e in crashes if set(e.culprit_ranks or []) & {2, 3}], crashes
     finally:

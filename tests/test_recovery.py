@@ -94,20 +94,20 @@ def test_a_collective_mismatch_recovers_inside_the_ranks_bit_identical(tmp_path,
         assert torch.equal(weights[name], tensor), name
 
 
-def test_a_mismatch_restarts_the_processes_when_in_process_recovery_is_off_or_late(tmp_path, reference):
+@pytest.mark.parametrize("job, flags", [("off", ["--no-in-process"]), ("late", ["--in-process-timeout-s", "0.001"])])
+def test_a_mismatch_restarts_the_processes_when_in_process_recovery_is_off_or_late(tmp_path, reference, job, flags):
     """--no-in-process, or ranks that do not answer within --in-process-timeout-s:
     the process restart, as before, bit-identical too."""
-    for job, flags in (("off", ["--no-in-process"]), ("late", ["--in-process-timeout-s", "0.001"])):
-        ckpt = tmp_path / job / "ckpt"
-        r = trainwatch(tmp_path, "launch", "--nproc-per-node", "4", "--job", job, *flags, "--inject", SKIP,
-                       *TRAINER, "--ckpt-dir", str(ckpt), timeout=400)
-        assert_recovered(tmp_path, job, ckpt, reference, r)
-        [incident] = [e for e in events(tmp_path, job) if e.kind == "collective_mismatch"]
-        assert incident.restart.requested is True, incident
-        if job == "off":
-            assert incident.in_process is None, incident
-        else:
-            assert incident.in_process.ok is False and incident.in_process.pending, incident
+    ckpt = tmp_path / job / "ckpt"
+    r = trainwatch(tmp_path, "launch", "--nproc-per-node", "4", "--job", job, *flags, "--inject", SKIP,
+                   *TRAINER, "--ckpt-dir", str(ckpt), timeout=400)
+    assert_recovered(tmp_path, job, ckpt, reference, r)
+    [incident] = [e for e in events(tmp_path, job) if e.kind == "collective_mismatch"]
+    assert incident.restart.requested is True, incident
+    if job == "off":
+        assert incident.in_process is None, incident
+    else:
+        assert incident.in_process.ok is False and incident.in_process.pending, incident
 
 
 def test_rank_killed_during_emergency_write(tmp_path, reference):

@@ -348,11 +348,10 @@ class Sidecar:
         try:  # one last round (exits reported as the job ended), then the final state
             self.tick()
             for incident_id, record in list(self.open.items()):
-                if record.get("scope") == "job" and (self.jobwide is None or self.jobwide.aggregator is None):
+                if record.scope == "job" and (self.jobwide is None or self.jobwide.aggregator is None):
                     continue  # the aggregator's node closes job incidents
-                opened = record.get("opened_time")
-                self.resolve(incident_id, time.time() - opened if isinstance(opened, (int, float)) else 0.0,
-                             1, "the job ended")
+                opened = record.opened_time
+                self.resolve(incident_id, time.time() - opened if opened is not None else 0.0, 1, "the job ended")
             submit_writes(self, writer, snapshot=True, force=True)
             if not writer.close():
                 log.warning("trainwatch sidecar: the final snapshot was still being written when it stopped")
