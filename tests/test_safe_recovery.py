@@ -147,13 +147,25 @@ def test_an_exception_before_the_first_step_is_deterministic():
     assert found[0].describe() == "rank 1 (train.py:3): ValueError: bad"
 
 
-def test_the_same_exception_at_the_same_step_after_a_restart_is_deterministic():
-    first = _rec(stepped=True, step=12, type="RuntimeError", message="shape mismatch")
+def test_the_same_exception_from_the_same_line_after_a_restart_is_deterministic_whatever_the_step():
+    first = _rec(stepped=True, step=120, type="RuntimeError", message="shape mismatch in <Block at 0x7f00aa10>")
     assert failures.deterministic(_failures(first), 0) is None  # once: may be transient
+    # The script resumed from its own checkpoint: trainwatch's count is 20 where the script's step is 120
+    # again, and the object's address differs.
+    again = dict(first, generation=1, step=20, message="shape mismatch in <Block at 0x7f3c0d20>")
+    found = failures.deterministic(_failures(first, again), 1)
+    assert found is not None and found[1] == "again from the same line after a restart"
+    elsewhere = dict(again, where="train.py:4")
+    assert failures.deterministic(_failures(first, elsewhere), 1) is None
+    other = dict(again, message="shape mismatch in <Head at 0x7f3c0d20>")
+    assert failures.deterministic(_failures(first, other), 1) is None
+
+
+def test_without_a_file_and_line_the_same_exception_must_recur_at_the_same_step():
+    first = _rec(stepped=True, step=12, type="RuntimeError", message="shape mismatch", where="")
     again = dict(first, generation=1)
     assert failures.deterministic(_failures(first, again), 1)[1] == "again at step 12 after a restart"
-    elsewhere = dict(again, step=13)
-    assert failures.deterministic(_failures(first, elsewhere), 1) is None
+    assert failures.deterministic(_failures(first, dict(again, step=13)), 1) is None
 
 
 @pytest.mark.parametrize("type_, message, transient", [
@@ -208,6 +220,17 @@ def test_a_users_traceback_has_no_trainwatch_frames(tmp_path):
     assert "runpy.py" not in text and "<frozen runpy>" not in text and "bootstrap" not in text
     assert text.rstrip().endswith("ValueError: width 5 is not divisible by 2")
     assert last_line(ValueError("a\nb")) == "ValueError: a"
+
+
+def test_an_exception_raised_in_a_library_is_placed_at_the_users_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import json\n\ndef load():\n    return json.loads('{')\n\nload()\n")
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except ValueError as e:
+        text, where = user_traceback(e)
+    assert where == f"{script}:4"  # not json/decoder.py's line: the user's call is what replays
+    assert "json/decoder.py" in text  # the printed traceback is whole
     assert last_line(KeyError("k")) == "KeyError: 'k'"
 
 

@@ -8,8 +8,13 @@ the failed generation before it restarts:
 - an exception before the rank's first step (an ImportError, a SyntaxError, a
   missing file, a bad argument, a port in use) fails the same way on every
   attempt: it is deterministic;
-- so is the same exception type and message at the same step as in the
-  generation before: the restart replayed it;
+- so is the same exception again after a restart: the same type, the same
+  message once its volatile parts are masked (addresses, pids, times: see
+  `crash_message`) and the same raising file:line (the innermost frame of the
+  user's code). The step is left out: a script that resumes from its own
+  checkpoint reaches the same line at another step of trainwatch's count
+  (which starts at 0 in every process). A record without a file:line (the
+  integrated trainer's) is compared by type, message and step instead;
 - lost peers, connection and store errors, timeouts and out-of-memory are
   transient: they keep the restart budget, as do deaths by signal (no record).
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +86,12 @@ class RankFailure:
         return codec.decode(cls, data)
 
     @property
+    def identity(self) -> tuple[str, str, str | int]:
+        """What makes two records the same crash: (type, masked message, file:line),
+        or (type, masked message, step) when the file:line is unknown."""
+        return self.type, crash_message(self.message), self.where or self.step
+
+    @property
     def line(self) -> str:
         """The exception's last line as Python prints it."""
         return f"{self.type}: {self.message}" if self.message else self.type
@@ -133,15 +145,41 @@ def deterministic(failures: list[RankFailure], generation: int) -> tuple[RankFai
     """(the failure, why) when generation `generation` failed in a way a restart
     replays; None when a restart may fix it (or nothing was recorded)."""
     current = [f for f in failures if f.generation == generation]
-    earlier = {(f.type, f.message, f.step) for f in failures if f.generation < generation}
+    earlier = {f.identity for f in failures if f.generation < generation}
     for f in current:
         if f.transient or f.type == NONFINITE_END:
             continue
         if not f.stepped:
             return f, "before its first step"
-        if (f.type, f.message, f.step) in earlier:
-            return f, f"again at step {f.step} after a restart"
+        if f.identity in earlier:
+            return f, ("again from the same line after a restart" if f.where
+                       else f"again at step {f.step} after a restart")
     return None
+
+
+# Parts of a message that differ between two runs of the same failing line.
+# Each pattern is linear (no nested repetition): the message came from a rank.
+_VOLATILE = (
+    (re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"), "<uuid>"),
+    (re.compile(r"\b0x[0-9a-fA-F]+"), "0x<addr>"),
+    (re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"), "<time>"),
+    (re.compile(r"\b\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\b"), "<time>"),
+    (re.compile(r"\b1\d{9}\.\d+\b"), "<time>"),  # time.time() printed: seconds since 1970, with a fraction
+    (re.compile(r"(?i)\b(pid|tid|process|thread)([ :=#]{0,3})\d+"), r"\1\2<n>"),
+    (re.compile(r"(\d{1,3}(?:\.\d{1,3}){3}\]?|localhost):\d+"), r"\1:<port>"),
+    (re.compile(r"\btmp[a-z0-9_]{8}\b"), "tmp<name>"),  # tempfile's names
+)
+
+
+def crash_message(message: str) -> str:
+    """An exception's message with what differs between two runs of the same
+    failing line masked: addresses (`<object at 0x7f..>`), pids and thread ids,
+    times, uuids, ephemeral ports, temporary file names. Numbers that are the
+    program's own (a shape, a step, a rank) stay: they tell failures apart."""
+    text = message[:1000]
+    for pattern, mask in _VOLATILE:
+        text = pattern.sub(mask, text)
+    return text
 
 
 NONFINITE_END = "NonFiniteEnd"

@@ -370,6 +370,33 @@ def main(argv: list[str] | None = None) -> None:
 _OWN_FILES = (os.path.abspath(__file__), os.path.abspath(runpy.__file__))
 
 
+def _library_dirs() -> tuple[str, ...]:
+    """Where code that is not the user's lives: the standard library, the
+    installed packages (torch, numpy...) and trainwatch itself (its hooks)."""
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    dirs = [paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    try:
+        dirs += site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:  # an interpreter started without the site module's helpers
+        pass
+    dirs.append(os.path.dirname(os.path.abspath(trainwatch.__file__)))
+    return tuple(os.path.join(os.path.abspath(d), "") for d in dirs if d)
+
+
+def raising_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's own code (what the agent compares to
+    tell a replayed crash: a ValueError raised in torch from the user's line 40
+    is the user's line 40); the innermost frame when all are library code."""
+    library = _library_dirs()
+    for f in reversed(frames):
+        if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(library):
+            return f
+    return frames[-1] if frames else None
+
+
 def user_traceback(e: BaseException) -> tuple[str, str | None]:
     """(the traceback as Python prints it, without this bootstrap's and runpy's
     frames on top; the user's file:line it came from, or None)."""
@@ -380,8 +407,8 @@ def user_traceback(e: BaseException) -> tuple[str, str | None]:
     where = None
     if isinstance(e, SyntaxError) and e.filename:
         where = f"{e.filename}:{e.lineno}"
-    elif frames:
-        where = f"{frames[-1].filename}:{frames[-1].lineno}"
+    elif (frame := raising_frame(frames)) is not None:
+        where = f"{frame.filename}:{frame.lineno}"
     return "".join(te.format()), where
 
 
