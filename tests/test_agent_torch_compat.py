@@ -1,5 +1,5 @@
 """The agent: its teardown works with torch releases whose agent takes no grace
-argument; its restart backoff grows only while the job keeps failing."""
+argument (its restart backoff: test_backoff.py)."""
 
 from __future__ import annotations
 
@@ -60,20 +60,3 @@ def test_the_installed_torch_is_probed_for_its_signature():
 
     expected = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
     assert agent_mod._SHUTDOWN_TAKES_TIMEOUT is expected
-
-
-def test_restart_backoff_grows_while_the_job_keeps_failing_and_starts_over_after_a_healthy_stretch():
-    now = [0.0]
-    backoff = agent_mod.Backoff(max_s=30.0, reset_s=60.0, clock=lambda: now[0])
-    waits = []
-    for ran in (5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0):  # a job failing every 5 s
-        backoff.workers_started()
-        now[0] += ran
-        waits.append(backoff.next())
-    assert waits == [0.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
-    backoff.workers_started()
-    now[0] += 60.0  # a long healthy stretch, then a fault: a first fault again
-    assert backoff.next() == 0.0
-    backoff.workers_started()
-    now[0] += 1.0
-    assert backoff.next() == 2.0

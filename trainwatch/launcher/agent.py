@@ -25,6 +25,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from trainwatch import codec, env, records, slots, state
 from trainwatch.records import JobStatus
 from trainwatch.launcher import failures, warmstart
+from trainwatch.launcher.backoff import Backoff, BackoffDecision, Cause, crash_cause, incident_cause
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
 from trainwatch.watchdog.rankexit import RankExit
 from trainwatch.usage import printable
@@ -37,36 +38,8 @@ TEARDOWN_S = 5.0
 """Grace a worker gets after SIGTERM before SIGKILL (torchelastic waits 30 s). Its
 state was already saved by the emergency checkpoint; waiting longer only delays
 the restart."""
-BACKOFF_RESET_S = 60.0
-"""A worker group that ran this long before it failed starts the restart backoff over (s)."""
 _SHUTDOWN_TAKES_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
 """torch 2.13's agent takes a teardown grace; some other releases (2.11) do not."""
-
-
-class Backoff:
-    """How long to wait before a restart, so that a job that keeps failing does
-    not flap: none for the first restart of a run of failures, then 2, 4, 8 s
-    ... up to `max_s`. A worker group that ran `reset_s` before it failed
-    starts the run over: a fault after a long healthy stretch is a first
-    fault again, not the tenth in a row (a long job would otherwise wait the
-    maximum at every restart for the rest of its life)."""
-
-    def __init__(self, max_s: float = 30.0, reset_s: float = BACKOFF_RESET_S,
-                 clock: Callable[[], float] = time.monotonic):
-        self.max_s, self.reset_s, self.clock = max_s, reset_s, clock
-        self.streak = 0
-        """Restarts in the current run of failures."""
-        self.started: float | None = None
-        """When the running worker group started (the clock's time)."""
-
-    def workers_started(self) -> None:
-        self.started = self.clock()
-
-    def next(self) -> float:
-        """The wait before the restart that is about to begin (s)."""
-        ran = self.clock() - self.started if self.started is not None else 0.0
-        self.streak = 1 if ran >= self.reset_s else self.streak + 1
-        return 0.0 if self.streak == 1 else min(self.max_s, 2.0 ** (self.streak - 1))
 
 
 class TrainwatchAgent(LocalElasticAgent):
@@ -85,6 +58,10 @@ class TrainwatchAgent(LocalElasticAgent):
         self.restart_count = 0
         self.dir = state.JobDir(job)
         self.backoff = Backoff()
+        self._failed = False
+        self._cause: Cause | None = None
+        """Whether the running worker group failed (else a restart is torchelastic's, for a node that
+        joins), and of what (for the backoff; None: unknown)."""
         self.emergency_timeout_s = emergency_timeout_s
         self._survivors_saved = -1
         self._usage_failures = 0
@@ -216,13 +193,15 @@ class TrainwatchAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """torchelastic's own restart (stop, re-rendezvous, start), timed for the
-        sidecar's recovery breakdown, with backoff so a job that keeps failing
-        does not flap (`Backoff`)."""
+        sidecar's recovery breakdown, with backoff so a job caught in a crash
+        loop does not flap (`launcher.backoff`); the console says why it waits or not."""
+        decision = (self.backoff.next(self._cause, self._slot_steps()[0]) if self._failed else BackoffDecision(
+            0.0, False, "no failure on this node: the nodes meet again (another node restarts or joins)"))
+        self._failed, self._cause, backoff = False, None, decision.wait_s
         self.restart_count += 1
         os.environ[env.GENERATION] = str(self.restart_count)  # the workers started below inherit it
-        backoff = self.backoff.next()
-        print(f"[trainwatch] restarting worker group (restart {self.restart_count}/{worker_group.spec.max_restarts}"
-              + (f", after {backoff:.0f}s backoff" if backoff else "") + ")", flush=True)
+        print(printable(f"[trainwatch] restarting worker group (restart {self.restart_count}/"
+                        f"{worker_group.spec.max_restarts}, {decision.describe()})", newlines=False), flush=True)
         t0 = time.monotonic()
         self._restarting(True)
         self.dir.update_job(status=JobStatus.RESTARTING)
@@ -236,6 +215,7 @@ class TrainwatchAgent(LocalElasticAgent):
         state.write_json_atomic(
             self.dir.restart_timing_file,
             {"restart": self.restart_count, "stop_begin": t0, "stop_end": t1, "backoff_s": backoff,
+             "backoff_reason": decision.reason,
              "workers_started": t2, "rendezvous_s": round(t2 - t1 - backoff, 3),
              "warm": bool(warmstart.timings.get("warm")), "start_s": warmstart.timings.get("start_s")},
         )
@@ -248,15 +228,35 @@ class TrainwatchAgent(LocalElasticAgent):
             self.sidecar.ensure_running()
         if result.state == WorkerState.FAILED:
             self._report_exits(worker_group, result)
+            self._failed, self._cause = True, self._crash_cause(result)
             self._stop_on_deterministic_error()
             self._stop_on_repeated_usage_error(result)
         elif result.state == WorkerState.HEALTHY:
             request = self._take_restart_request()
             if request is not None:
                 log.warning("trainwatch: restarting worker group: %s", request.reason)
+                self._failed, self._cause = True, incident_cause(request.kind, self._slot_steps()[1])
                 self._on_event("restart_requested", codec.encode(request))
                 return RunResult(state=WorkerState.UNHEALTHY)
         return result
+
+    def _slot_steps(self) -> tuple[bool, dict[int, int]]:
+        """(whether any rank of the running worker group completed a step, each
+        rank's last step), from the slots, which hold them until the next start."""
+        try:
+            table = self.segment.read_table()
+        except (OSError, ValueError):
+            return True, {}  # unknown: never a reason to wait
+        rows = table[(table["pid"] > 0) & (table["restart"] == self.restart_count)]
+        return bool((rows["first_step"] > 0).any()), {int(r): int(s) for r, s in zip(rows["rank"], rows["step"])}
+
+    def _crash_cause(self, result: RunResult) -> Cause | None:
+        """The cause of this crash (backoff.crash_cause) from the ranks that failed first."""
+        first = {rank: f.exitcode for rank, f in result.failures.items() if f.local_rank in self._first_failed}
+        first = first or {rank: f.exitcode for rank, f in result.failures.items()}
+        recorded = [f for f in failures.read_failures(self.dir.errors_file, self.run_id)
+                    if f.generation == self.restart_count]
+        return crash_cause(recorded, first, self._slot_steps()[1])
 
     def _stop_on_deterministic_error(self) -> None:
         """A rank's exception that a restart would replay (see launcher.failures):
