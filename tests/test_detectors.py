@@ -454,6 +454,23 @@ def test_mismatch_ras_style_op_difference_names_minority():
     assert "3 ranks launched 'allreduce'" in found[0].summary
 
 
+def test_mismatch_a_rank_behind_whose_last_launch_its_peers_completed_is_a_hang():
+    """FSDP's prefetch: a rank launches an all-gather, is then stuck in its own
+    compute, and never waits on that op, so its flight recorder still counts it
+    outstanding. Its peers completed that operation (a collective completes on
+    every member) and wait in the next one: the rank behind is not in a
+    collective, it hangs before its next launch (the hang detector's call).
+    Where the peers have not completed it either, the rank may wait in it: compared."""
+    t = stalled_table(100.0)
+    set_rows(t, 3, enqueued=811, completed=810, phase="compute")
+    assert ras_ticks(CollectiveMismatchDetector(), t) == []
+    t = stalled_table(100.0)
+    set_rows(t, [0, 1, 2], completed=810)
+    set_rows(t, 3, enqueued=811, completed=810, phase="compute")
+    seen = ras_ticks(CollectiveMismatchDetector(), t)
+    assert seen and seen[0][1].culprit_ranks == [3]
+
+
 def test_mismatch_ras_ignores_ranks_in_data_loading_and_long_steps():
     det = CollectiveMismatchDetector()
     t = stalled_table(100.0)

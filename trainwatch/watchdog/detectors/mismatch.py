@@ -45,6 +45,7 @@ from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, 
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
 _COLLECTIVE = slots.PHASE_CODES["collective"]
+_WAITS = np.array([slots.PHASE_CODES[p] for p in sorted(slots.WAIT_PHASES)])
 _DONE = slots.PHASE_CODES["done"]
 _MAX_LISTED = 32
 _TRACK_MIN_S = 0.3
@@ -326,6 +327,17 @@ class CollectiveMismatchDetector(Detector):
             top = int(seqs.max())
             raw = groups["last_op"][members, k[sel]]
             if seqs.min() < top:
+                behind = members[seqs < top]
+                peers_done = int(done[members[seqs == top], k[sel][seqs == top]].max())
+                if (seqs[seqs < top] <= peers_done).all() and not np.isin(sub["phase"][behind], _WAITS).any():
+                    # What the ranks behind launched last, their peers have
+                    # completed (a collective completes on every member): the
+                    # ranks behind only have not marked it done yet (an async
+                    # op not waited on, as FSDP's prefetch). Outside a phase
+                    # that waits on peers (a collective call; backward, where
+                    # DDP launches buckets as gradients arrive), they are stuck
+                    # before their next launch: a hang.
+                    return None
                 # A rank that skipped a collective in one group runs ahead into
                 # the next step and is then "ahead" in the other groups. The
                 # group that tells the truth is the one where the ranks behind
