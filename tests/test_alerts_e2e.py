@@ -1,7 +1,8 @@
-"""The shipped alert rules on a real Prometheus, over a real fault that lasts:
+"""The shipped alert rules on a real Prometheus, over real faults that last:
 a straggler that persists pages `TrainwatchStraggler` once (its `for:` holds on
-the open incident, whatever its ratio does meanwhile), and the incident stays
-one incident the whole time.
+the open incident, whatever its ratio does meanwhile), a loss that stays NaN
+pages `TrainwatchLossNaN`, and each stays one incident the whole time, in
+events.jsonl, the console, the exporter's open-incident gauge and `diagnose`.
 
 The rules run as a test copy whose `for:` durations are scaled down
 (`FOR_SCALE`): the same expressions, labels and pending-then-firing logic,
@@ -9,6 +10,7 @@ with the straggler's five minutes as twenty seconds."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -16,12 +18,12 @@ import time
 import pytest
 import requests
 
-from util import BIN, ROOT, env_for, events, job_json, prometheus_server, stop_group, wait_for
+from util import BIN, ROOT, env_for, events, job_json, open_gauge, prometheus_server, reap, stop_group, wait_for
 
 pytestmark = pytest.mark.slow
 
 OUT = ROOT / "dashboards"
-JOB = "alert-straggler"
+JOB = "alert-straggler-nan"
 FOR_SCALE = 15
 """The test copy's `for:` durations are the shipped ones divided by this (5m -> 20s)."""
 
@@ -60,7 +62,17 @@ def query_range(url: str, expr: str, start: float, end: float) -> list[dict]:
     return r["data"]["result"]
 
 
-def test_a_persistent_straggler_pages_once(tmp_path):
+def diagnose(home, job) -> dict | None:
+    r = subprocess.run([str(BIN / "trainwatch"), "diagnose", job, "--json", "--timeout", "5"], env=env_for(home),
+                       capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def firing(url: str, alert: str, state: str, start: float, end: float) -> list[dict]:
+    return query_range(url, f'ALERTS{{alertname="{alert}",trainwatch_job="{JOB}",alertstate="{state}"}}', start, end)
+
+
+def test_a_persistent_straggler_and_a_nan_streak_page_once_each_and_stay_one_incident_each(tmp_path):
     home, cfg_dir = tmp_path / "home", tmp_path / "prometheus"
     home.mkdir(mode=0o700)
     cfg_dir.mkdir()
@@ -78,6 +90,8 @@ def test_a_persistent_straggler_pages_once(tmp_path):
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
                 [str(BIN / "trainwatch"), "launch", "--nproc-per-node", "2", "--job", JOB, "--no-restart",
+                 # --nan-policy alert: the trainer trains on through the NaN (the default stops and rolls back).
+                 "--nan-policy", "alert", "--inject", "nan:rank=0,step=15",
                  "--inject", "straggler:delay=0.3,rank=1,step=5", "-m", "trainwatch.trainer", "--model-size", "tiny",
                  "--max-steps", "1000000", "--log-interval", "1000"],
                 env=env_for(home), stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True)
@@ -87,14 +101,17 @@ def test_a_persistent_straggler_pages_once(tmp_path):
             wait_for(lambda: time.time() - opened.opened_time > run_s or proc.poll() is not None, run_s + 60,
                      interval=0.5, what="the straggler to outlast the rule's `for`")
             assert proc.poll() is None, log_path.read_text()[-3000:]
+            record = wait_for(lambda: (job_json(home, JOB) or {}).get("metrics") and job_json(home, JOB), 30,
+                              what="the exporter's address")
+            gauge = open_gauge(record)
+            report = diagnose(home, JOB)
             end = time.time()
-            fired = query_range(url, f'ALERTS{{alertname="TrainwatchStraggler",trainwatch_job="{JOB}",'
-                                     f'alertstate="firing"}}', start, end)
-            pending = query_range(url, f'ALERTS{{alertname="TrainwatchStraggler",trainwatch_job="{JOB}",'
-                                       f'alertstate="pending"}}', start, end)
-            record = job_json(home, JOB)
+            fired = firing(url, "TrainwatchStraggler", "firing", start, end)
+            pending = firing(url, "TrainwatchStraggler", "pending", start, end)
+            nan_fired = firing(url, "TrainwatchLossNaN", "firing", start, end)
         finally:
             stop_group(proc)
+            reap(home)
     # Fired, as one unbroken run of samples: it paged once.
     assert len(fired) == 1, fired
     times = [float(t) for t, _ in fired[0]["values"]]
@@ -102,8 +119,14 @@ def test_a_persistent_straggler_pages_once(tmp_path):
     # ... the rule's `for` after the incident opened, not before (a scrape of slack).
     assert times[0] - opened.opened_time >= for_s - 1.0, times[0] - opened.opened_time
     assert pending and min(float(t) for s in pending for t, _ in s["values"]) < times[0]
-    # One incident for the whole run, still open, with one console line.
+    # The NaN streak (no `for:`) fired as one unbroken run too.
+    assert len(nan_fired) == 1, nan_fired
+    # One incident of each kind for the whole run, still open, with one console line each, in every reader.
     stragglers = [e for e in events(home, JOB) if e.kind == "straggler"]
+    nans = [e for e in events(home, JOB) if e.kind == "loss_nan"]
     assert len(stragglers) == 1 and stragglers[0].culprit_ranks == [1], stragglers
-    assert log_path.read_text().count("INCIDENT straggler") == 1
-    assert record is not None
+    assert len(nans) == 1, nans
+    assert gauge.get("straggler") == 1.0 and gauge.get("loss_nan") == 1.0, gauge
+    assert report is not None and report["verdict"]["category"] in ("straggler", "loss_nan"), report["verdict"]
+    console = log_path.read_text()
+    assert console.count("INCIDENT straggler") == 1 and console.count("INCIDENT loss_nan") == 1

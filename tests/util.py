@@ -61,6 +61,21 @@ def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "cond
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def open_gauge(job_rec: dict) -> dict[str, float]:
+    """The exporter's open incidents by kind (`trainwatch_incident_open`), from the job record's metrics address."""
+    import re
+
+    import requests
+
+    text = requests.get(f"http://{job_rec['metrics']}/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'trainwatch_incident_open\{.*kind="(\w+)".*\} (\S+)', line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
 def job_json(home: Path, job: str) -> dict | None:
     try:
         return json.loads((home / "jobs" / job / "job.json").read_text())
