@@ -36,8 +36,12 @@ system-deps:
 run: setup
 	$(BIN)/trainwatch launch --nproc-per-node 2
 
+# Two workers, each test file on one of them (a file's module-scoped fixture, a
+# real Prometheus or a finished run, is set up once). TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
+
 test: setup system-deps
-	$(BIN)/pytest -q -ra --durations=20
+	$(BIN)/pytest -q -ra --durations=20 -n $(TEST_WORKERS) --dist loadfile
 
 # Flaky-test finder: the end-to-end tests N times (shuffled after the first
 # run, the last beside a CPU hog); lists every test that did not always pass.
