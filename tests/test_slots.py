@@ -295,9 +295,16 @@ import torch, torch.distributed as dist
 from trainwatch.rank.flightrec import FlightRecorderReader
 fr = FlightRecorderReader()
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+import time
 for _ in range(3):
     dist.all_reduce(torch.ones(2))
+# gloo marks an op complete in the flight recorder from its own thread, just
+# after the caller's all_reduce returns: wait for it, bounded
+deadline = time.monotonic() + 30
 live = fr.sample()
+while not (live and live[0].completed >= 3) and time.monotonic() < deadline:
+    time.sleep(0.01)
+    live = fr.sample()
 assert live and fr.available and live[0].completed >= 3, live
 dist.destroy_process_group()
 assert fr.sample() == live, fr.sample()
