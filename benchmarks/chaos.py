@@ -1,6 +1,7 @@
 """Chaos benchmark: faults and abuse against real `trainwatch launch` runs.
 
-    python benchmarks/chaos.py
+    python benchmarks/chaos.py [--only PROBE,...]
+    python benchmarks/chaos.py --smoke    # four quick probes, one of them a real launch (for tests)
 
 Each probe does to a real launch what an unlucky operator or a hostile user
 of the same machine would: two launches of one job name, SIGKILL of the
@@ -33,7 +34,8 @@ from pathlib import Path
 
 import psutil
 
-from common import BIN, ROOT, env_for, finish, job_json, log, new_home, stop, wait_for
+from common import (BIN, ROOT, SMOKE_HELP, env_for, finish, job_json, log, new_home, run_command, spawn, stop,
+                    wait_for)
 
 SCRIPT = ROOT / "tests" / "scripts" / "plain_ddp.py"
 TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--log-interval", "5"]
@@ -84,14 +86,12 @@ class Probes:
 
 
 def start(home: Path, *args: str, preexec=None) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "trainwatch"), "launch", *args], env=env_for(home), cwd=str(ROOT),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=preexec)
+    return spawn([str(BIN / "trainwatch"), "launch", *args], home, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                 text=True, preexec_fn=preexec)
 
 
 def run(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "trainwatch"), *args], env=env_for(home), cwd=str(ROOT),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_command([str(BIN / "trainwatch"), *args], home, timeout=timeout)
 
 
 def children(pid: int) -> list[psutil.Process]:
@@ -364,12 +364,12 @@ def probe_store_forgery(p: Probes) -> None:
     homes = [p.home(f"mn{i}") for i in range(2)]
     procs = []
     for i, home in enumerate(homes):
-        procs.append(subprocess.Popen(
+        procs.append(spawn(
             [str(BIN / "trainwatch"), "launch", "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, "--job", job,
              "--node-name", f"n{i}", "--metrics-port", "0", *TRAINER, "--max-steps", "100000",
-             "--ckpt-interval", "1000"], env={**env_for(home), "TRAINWATCH_JOB_SECRET": secret}, cwd=str(ROOT),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+             "--ckpt-interval", "1000"], home, env=env_for(home, TRAINWATCH_JOB_SECRET=secret),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         if i == 0:
             wait_for(lambda: netbind.is_listening("127.0.0.1", port), 120)
 
@@ -712,10 +712,16 @@ def probe_cli_edges(p: Probes) -> None:
              *(o.stderr for o in outs), bogus.stderr)
 
 
+SMOKE_PROBES = ("planted_symlinks", "escape_bytes", "bad_manifests", "cli_edges")
+"""--smoke: a launch, the read-only commands on hostile input, checkpoint code, the CLI."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated probe names (default: every probe)")
-    only = {n for n in parser.parse_args().only.split(",") if n}
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP + "; " + ", ".join(SMOKE_PROBES))
+    args = parser.parse_args()
+    only = set(SMOKE_PROBES) if args.smoke else {n for n in args.only.split(",") if n}
     p = Probes()
     try:
         for probe in (probe_one_name_one_run, probe_sidecar_sigkill, probe_rank_sigkill_mid_checkpoint,
@@ -736,4 +742,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import common
+
+    common.main(main)

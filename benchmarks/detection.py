@@ -1,6 +1,7 @@
 """Detection benchmark: the fault matrix, false incidents, watchdog cost.
 
     python benchmarks/detection.py [--ranks 4] [--timeout 90]
+    python benchmarks/detection.py --smoke   # every part once, 2 ranks, a few steps (for tests)
 
 For every fault kind a real 4-rank job of the integrated trainer runs with the
 fault injected inside one rank (alert-only mode). Latency runs from the moment
@@ -36,7 +37,8 @@ import uuid
 
 import psutil
 
-from common import BIN, ROOT, env_for, events, faults_fired, job_json, launch, log, new_home, stop, wait_for
+from common import (BIN, ROOT, SMOKE_HELP, env_for, events, faults_fired, job_json, launch, log, new_home, run_command,
+                    stop, wait_for)
 
 CULPRIT = 2
 TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", "100000", "--log-interval", "100000"]
@@ -98,8 +100,10 @@ FAULT_WORKLOAD = {
 
 
 def diagnose(home, job: str) -> dict | None:
-    r = subprocess.run([str(BIN / "trainwatch"), "diagnose", job, "--json", "--timeout", "4"],
-                       env=env_for(home), capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    try:
+        r = run_command([str(BIN / "trainwatch"), "diagnose", job, "--json", "--timeout", "4"], home, timeout=60)
+    except subprocess.TimeoutExpired:
+        return None
     try:
         return json.loads(r.stdout) if r.returncode == 0 else None
     except ValueError:
@@ -127,9 +131,10 @@ def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float, *, cu
     home = new_home(name)
     klog = home / "kern.log"
     klog.write_text("")
+    fault, name = name, f"{name.replace('_', '-')}-{uuid.uuid4().hex[:6]}"  # the job: a name of its own
     proc = launch(home, "--nproc-per-node", str(ranks), "--job", name, "--no-restart", "--inject", spec,
-                  "--kernel-log", str(klog), *FAULT_FLAGS.get(name, []),
-                  *(workload or FAULT_WORKLOAD.get(name, TRAINER)))
+                  "--kernel-log", str(klog), *FAULT_FLAGS.get(fault, []),
+                  *(workload or FAULT_WORKLOAD.get(fault, TRAINER)))
     extra = None
     polls: list[tuple[float, dict]] = []
     found, deadline, seen_at = [], time.monotonic() + timeout, None
@@ -176,30 +181,35 @@ def run_fault(name: str, spec: str, kind: str, ranks: int, timeout: float, *, cu
     return result
 
 
-def healthy_run(ranks: int) -> int:
+def healthy_run(ranks: int, steps: int = 200, ckpt_interval: int = 20, slow_s: float = 3.0) -> int:
     home = new_home("healthy")
-    proc = launch(home, "--nproc-per-node", str(ranks), "--job", "healthy",
-                  "--inject", "hang:where=compute,seconds=3,rank=1,step=1",  # a slow first step on one rank
-                  "-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", "200", "--ckpt-interval", "20",
-                  "--log-interval", "100000")
+    job = f"healthy-{uuid.uuid4().hex[:6]}"
+    proc = launch(home, "--nproc-per-node", str(ranks), "--job", job,
+                  "--inject", f"hang:where=compute,seconds={slow_s},rank=1,step=1",  # a slow first step on one rank
+                  "-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", str(steps), "--ckpt-interval",
+                  str(ckpt_interval), "--log-interval", "100000")
     proc.communicate(timeout=600)
-    found = events(home, "healthy")
+    found = events(home, job)
     for e in found:
         log(f"  FALSE incident: {e['kind']}: {e['summary']}")
     return len(found)
 
 
-def client_runs(rounds: int) -> dict:
-    """Every client script, healthy and unmodified, `rounds` times, with one
-    process spinning on a core beside it: incidents and restarts per script."""
+def client_runs(rounds: int, only: dict | None = None, hog: bool = True) -> dict:
+    """Every client script (or those of `only`: script -> its arguments), healthy
+    and unmodified, `rounds` times, with one process spinning on a core beside
+    it (`hog`): incidents and restarts per script."""
     sys.path.insert(0, str(ROOT / "tests"))
     from test_clients_e2e import CLIENTS, SLOW_EVAL
 
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    from common import spawn
+
+    clients = {s: (c[0], only[s], *c[2:]) for s, c in CLIENTS.items() if s in only} if only else CLIENTS
+    spinner = spawn([sys.executable, "-c", "while True: pass"]) if hog else None
     per_script: dict[str, dict] = {}
     try:
         for r in range(rounds):
-            for script, (ranks, args, _inject, _culprit) in CLIENTS.items():
+            for script, (ranks, args, _inject, _culprit) in clients.items():
                 home = new_home("client")
                 job = f"{script[:-3].replace('_', '-')}-{uuid.uuid4().hex[:6]}"
                 t0 = time.monotonic()
@@ -221,25 +231,27 @@ def client_runs(rounds: int) -> dict:
                 log(f"  round {r + 1} {script}: rc={proc.returncode} incidents={len(found)} restarts={restarts} "
                     f"({row['wall_s'][-1]}s)" + ("" if proc.returncode == 0 else f"\n{out[-1500:]}"))
     finally:
-        hog.kill()
-        hog.wait()
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
     return per_script
 
 
 def sidecar_cpu_fraction(ranks: int, seconds: float = 20.0) -> float:
     home = new_home("cpu")
-    proc = launch(home, "--nproc-per-node", str(ranks), "--job", "cpu", *TRAINER)
+    job = f"cpu-{uuid.uuid4().hex[:6]}"
+    proc = launch(home, "--nproc-per-node", str(ranks), "--job", job, *TRAINER)
     try:
         # Steady state: once every rank has stepped (start-up imports are not the watchdog's cost).
         def stepping():
             try:
-                tel = json.loads((home / "jobs" / "cpu" / "telemetry.json").read_text())["ranks"]
+                tel = json.loads((home / "jobs" / job / "telemetry.json").read_text())["ranks"]
             except (OSError, ValueError, KeyError):
                 return False
             return len(tel) == ranks and all(r["step"] >= 3 for r in tel)
 
         wait_for(stepping, 180)
-        sidecar = psutil.Process(job_json(home, "cpu")["sidecar_pid"])
+        sidecar = psutil.Process(job_json(home, job)["sidecar_pid"])
         c0, t0 = sum(sidecar.cpu_times()[:2]), time.monotonic()
         time.sleep(seconds)  # a measurement window, not a synchronisation
         c1, t1 = sum(sidecar.cpu_times()[:2]), time.monotonic()
@@ -255,13 +267,25 @@ def main() -> None:
     p.add_argument("--only", nargs="*", help="run only these faults")
     p.add_argument("--skip-healthy", action="store_true", help="skip the healthy run and the CPU measurement")
     p.add_argument("--client-rounds", type=int, default=2, help="healthy runs of each client script (0 = skip)")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
+    unknown = [n for n in args.only or () if n not in FAULTS]
+    if unknown:
+        p.error(f"--only: unknown fault {', '.join(unknown)}; the faults are {', '.join(FAULTS)}")
+    # --smoke: one fault row (a crash at step 3 of 2 ranks, diagnose polled for 1 s after it), a healthy
+    # run of 6 steps, the CPU of a 1-rank job's sidecar over 1 s, one client script of 10 steps once
+    # (no CPU hog), a tick of 64 ranks.
+    smoke = args.smoke
+    if smoke:
+        args.ranks, args.only, args.timeout, args.client_rounds = 2, ["crash"], 60.0, 1
+    culprit = min(CULPRIT, args.ranks - 1)
     faults = {}
     for name, (spec, kind, torchrun) in FAULTS.items():
         if args.only and name not in args.only:
             continue
+        spec = spec.replace(f"rank={CULPRIT}", f"rank={culprit}").replace("step=8", "step=3" if smoke else "step=8")
         log(f"fault {name}: --inject {spec} (expect {kind}) ...")
-        r = run_fault(name, spec, kind, args.ranks, args.timeout)
+        r = run_fault(name, spec, kind, args.ranks, args.timeout, culprit=culprit, observe_s=1.0 if smoke else 10.0)
         r["torchrun_alone"] = torchrun
         faults[name] = r
         log(f"  detected={r['detected']} culprit_ok={r['culprit_ok']} latency={r['latency_s']}s "
@@ -269,22 +293,23 @@ def main() -> None:
             f"healthy_before={r['healthy_before_detection']}")
     false_incidents, cpu = None, None
     if not args.skip_healthy:
-        log("healthy 200-step run (checkpoints every 20 steps, slow first step) ...")
-        false_incidents = healthy_run(args.ranks)
+        log("healthy run (checkpoints, a slow first step) ...")
+        false_incidents = healthy_run(args.ranks, *((6, 3, 0.5) if smoke else ()))
         log(f"  false incidents: {false_incidents}")
-        log("sidecar CPU at 8 ranks ...")
-        cpu = sidecar_cpu_fraction(8)
+        log("sidecar CPU at 8 ranks ..." if not smoke else "sidecar CPU at 1 rank ...")
+        cpu = sidecar_cpu_fraction(1, 1.0) if smoke else sidecar_cpu_fraction(8)
         log(f"  watchdog_cpu_fraction = {cpu:.4f}")
     clients = None
     if args.client_rounds > 0:
         log(f"client corpus, healthy, {args.client_rounds} round(s) beside a CPU hog ...")
-        clients = client_runs(args.client_rounds)
+        clients = client_runs(args.client_rounds, {"ddp_metric_allreduce.py": ["--steps", "10"]} if smoke else None,
+                              hog=not smoke)
         total = sum(c["incidents"] for c in clients.values())
         log(f"  false_incidents_clients = {total}")
     from trainwatch.watchdog.engine import benchmark_tick
 
-    tick = benchmark_tick(4096, 50)
-    log(f"  tick_ms_4096_ranks = {tick:.2f}")
+    tick = benchmark_tick(64, 5) if smoke else benchmark_tick(4096, 50)
+    log(f"  tick_ms_{64 if smoke else 4096}_ranks = {tick:.2f}")
     detected = [f for f in faults.values() if f["detected"]]
     judged = [f for f in detected if f["verdict_agrees"] is not None]  # polled while the incident was open
     print(json.dumps({
@@ -304,4 +329,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import common
+
+    common.main(main)

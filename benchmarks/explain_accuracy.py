@@ -23,6 +23,7 @@ For each part this prints:
 The last line is one JSON object with the same figures.
 
     PYTHONPATH=. python benchmarks/explain_accuracy.py [--verbose]
+    PYTHONPATH=. python benchmarks/explain_accuracy.py --smoke   # two texts of each part (for tests)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from common import SMOKE_HELP
 from trainwatch.diagnostics.explain import explain_inputs
 from trainwatch.diagnostics.xid import severity_rank
 
@@ -147,8 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="list every text explain gets wrong")
     parser.add_argument("--part", choices=PARTS, help="score only this part of the corpus")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
     texts = sorted(CORPUS.glob("*.txt"))
+    if args.smoke:  # the first text of each part, healthy or not, and the first healthy one: every scoring path
+        args.verbose = True
+        firsts: dict = {}
+        for p in texts:
+            meta = _label(p).get("meta", {})
+            firsts.setdefault((meta.get("split", "dev"), bool(meta.get("healthy"))), p)
+        texts = sorted(firsts.values())
     results = [score_text(p) for p in texts if args.part is None or _label(p).get("meta", {}).get("split") == args.part]
     report = {}
     for part in PARTS:
@@ -181,4 +191,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import common
+
+    common.main(main)

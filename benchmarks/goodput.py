@@ -3,6 +3,7 @@ spends training, under each tool, while faults keep coming.
 
     python benchmarks/goodput.py [--minutes 10] [--fault-every-s 60] [--seed 0]
                                  [--topologies 1x4 2x2] [--rounds 1] [--compare-venv DIR]
+    python benchmarks/goodput.py --smoke   # trainwatch alone, 1 x 2 ranks, 20 s, faults from 4 s (for tests)
 
 The workload is benchmarks/scripts/ddp_resumable.py (no trainwatch import; it
 keeps its own checkpoint every --ckpt-every steps and resumes from it), run
@@ -50,12 +51,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from common import BIN, ROOT, env_for, log, read_jsonl, reap, session_pids
+from common import BIN, ROOT, SMOKE_HELP, env_for, keep, log, new_home, read_jsonl, reap, session_pids, spawn
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_resumable.py"
 NVRX_VENV = os.environ.get("TRAINWATCH_NVRX_VENV", "/tmp/scratch/venv-nvrx")
@@ -63,11 +63,11 @@ FAULT_KINDS = ("hang", "stopped", "crash", "collective_skip")
 TOOLS = ("trainwatch", "nvrx-tuned", "torchrun")
 
 
-def schedule(seed: int, seconds: float, mean_s: float, ranks: int) -> list[tuple[float, str, int]]:
+def schedule(seed: int, seconds: float, mean_s: float, ranks: int, first_s: float = 20.0) -> list[tuple[float, str, int]]:
     """(time after launch, fault kind, rank): a Poisson process of rate 1/mean_s,
-    the first fault no earlier than 20 s (start-up is measured, not faulted)."""
+    the first fault no earlier than `first_s` (start-up is measured, not faulted)."""
     rng = random.Random(seed)
-    out, t = [], 20.0
+    out, t = [], first_s
     while True:
         t += rng.expovariate(1.0 / mean_s)
         if t >= seconds - 5:
@@ -158,15 +158,15 @@ def inject(work: Path, kind: str, rank: int, world: int) -> dict:
 def run(tool: str, topo: tuple[int, int], args, faults: list) -> dict:
     nnodes, nproc = topo
     world = nnodes * nproc
-    work = Path(tempfile.mkdtemp(prefix=f"trainwatch-bench-goodput-{tool}-"))
+    work = new_home(f"goodput-{tool}")
     (work / "faults").mkdir()
     nodes = commands(tool, topo, work, args)
     t0 = time.monotonic()
     procs = []
     for i, (cmd, env, home) in enumerate(nodes):
         logf = open(work / f"node{i}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env, cwd=str(ROOT if tool == "trainwatch" else home), stdout=logf,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(spawn(cmd, env=env, cwd=str(ROOT if tool == "trainwatch" else home), stdout=logf,
+                           stderr=subprocess.STDOUT))
         logf.close()
     seconds = args.minutes * 60
     fired, pending = [], list(faults)
@@ -212,7 +212,7 @@ def run(tool: str, topo: tuple[int, int], args, faults: list) -> dict:
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     else:
-        res["dir"] = str(work)
+        res["dir"] = str(keep(work))
     return res
 
 
@@ -304,7 +304,13 @@ def main() -> None:
     p.add_argument("--compare-venv", type=Path, default=Path(NVRX_VENV))
     p.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
     p.add_argument("--keep", action="store_true", help="keep each run's directory (logs, homes)")
+    p.add_argument("--smoke", action="store_true",
+                   help=SMOKE_HELP + "; trainwatch alone (the peers need the NVRx scratch venv and minutes)")
     args = p.parse_args()
+    first_s = 20.0
+    if args.smoke:  # 20 s of 1 node x 2 ranks, a fault every ~5 s from 4 s on, trainwatch alone
+        args.minutes, args.fault_every_s, args.topologies, args.tools, args.rounds = 1 / 3, 5.0, ["1x2"], ["trainwatch"], 1
+        first_s = 4.0
     topos = []
     for t in args.topologies:
         try:
@@ -314,6 +320,9 @@ def main() -> None:
         topos.append((n, r))
     tools = list(args.tools)
     notes = {}
+    if args.smoke:
+        notes["peers"] = "skipped: --smoke runs trainwatch alone (nvrx-tuned needs its scratch venv, torchrun minutes)"
+        log(f"peers {notes['peers']}")
     if "nvrx-tuned" in tools:
         why = nvrx_available(args.compare_venv)
         if why:
@@ -322,7 +331,7 @@ def main() -> None:
             tools.remove("nvrx-tuned")
     results: dict[str, list[dict]] = {t: [] for t in tools}
     for topo in topos:
-        faults = schedule(args.seed, args.minutes * 60, args.fault_every_s, topo[0] * topo[1])
+        faults = schedule(args.seed, args.minutes * 60, args.fault_every_s, topo[0] * topo[1], first_s)
         log(f"{topo[0]}x{topo[1]}: {len(faults)} faults scheduled: "
             + ", ".join(f"{t:.0f}s {k} r{r}" for t, k, r in faults))
         for i in range(args.rounds):
@@ -370,4 +379,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import common
+
+    common.main(main)

@@ -74,6 +74,9 @@ MFU_SIZE = "gpt3-1.3b"
 """The trainer's largest built-in size: the one MFU is measured on."""
 FAULT_SIZE = "tiny"
 """Model of the fault and restart checks: they test trainwatch, not the model."""
+SMOKE_CHECKS = ("nvml", "doctor", "deferred_sync", "nccl_ranks", "nccl_crash", "zygote_cuda", "overhead")
+"""--smoke: one or two checks of every group, the quick ones."""
+SMOKE_TOTAL_S = 300.0
 
 
 class Skip(Exception):
@@ -856,8 +859,8 @@ def plan(ctx: Context, only: list[str] | None) -> list[tuple[Check, str | None]]
 
 def kill_sessions(path: Path) -> None:
     """End what a check launched in sessions of its own (trainwatch launch), then
-    reap those jobs the way `trainwatch jobs` does: a launcher killed outright
-    leaves its shared-memory segment and scrape target behind."""
+    reap those jobs the way `trainwatch jobs` does (a launcher killed outright
+    leaves its shared-memory segment and scrape target behind) and remove their homes."""
     try:
         launched = [line.split(" ", 1) for line in path.read_text().splitlines() if line.strip()]
     except OSError:
@@ -867,38 +870,14 @@ def kill_sessions(path: Path) -> None:
             os.killpg(int(pid), signal.SIGKILL)
         except (ProcessLookupError, PermissionError, ValueError):
             pass
-    from common import wait_for
+    import shutil
+
+    from common import reap_home, wait_for
 
     for _pid, home in launched:
         # Retried until the killed launcher's lock is released, as it is once it is gone.
         wait_for(lambda: reap_home(Path(home)), REAP_S, 0.3)
-
-
-def reap_home(home: Path) -> bool:
-    """Reap every run under `home` whose launcher is gone (what `trainwatch jobs`
-    does); True once none of their segments is left."""
-    from trainwatch import liveness, state
-
-    saved = os.environ.get("TRAINWATCH_HOME")
-    os.environ["TRAINWATCH_HOME"] = str(home)
-    try:
-        left = False
-        for record_path in home.glob("jobs/*/job.json"):
-            record = state.read_json(record_path)
-            if record is None:
-                continue
-            try:
-                liveness.status_of(record)
-            except Exception:  # noqa: BLE001 - reaping is best effort
-                pass
-            seg = record.get("slots")
-            left = left or bool(isinstance(seg, str) and os.path.exists(seg))
-        return not left
-    finally:
-        if saved is None:
-            os.environ.pop("TRAINWATCH_HOME", None)
-        else:
-            os.environ["TRAINWATCH_HOME"] = saved
+        shutil.rmtree(home, ignore_errors=True)  # the check's process, killed, could not
 
 
 def run_check(c: Check, ctx: Context, ctx_path: Path, out_dir: Path, budget_s: float,
@@ -1054,6 +1033,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="ranks of the launched jobs (default: every GPU; on one GPU two sharing it if NCCL allows)")
     p.add_argument("--out-dir", help="where each check's log and result go (default: a new temporary directory)")
     p.add_argument("--list", action="store_true", help="list the checks and their budgets")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"only {', '.join(SMOKE_CHECKS)} (every group), within {SMOKE_TOTAL_S:.0f} s; "
+                        "without a GPU each says why it skips")
     p.add_argument("--run-check", help=argparse.SUPPRESS)
     p.add_argument("--context", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -1069,6 +1051,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --only: unknown check {', '.join(unknown)}; the checks are {', '.join(names)}", file=sys.stderr)
         return 2
+    if args.smoke:
+        args.only = args.only or list(SMOKE_CHECKS)
+        args.total_s = min(args.total_s, SMOKE_TOTAL_S)
     t0 = time.monotonic()
     # Every process the checks start (launched ranks included) runs this checkout.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -1100,4 +1085,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import common
+
+    common.main(main)

@@ -2,6 +2,7 @@
 nodes, and the job-wide view at scale.
 
     python benchmarks/multinode.py [--skip-e2e]
+    python benchmarks/multinode.py --smoke   # 2 nodes x 1 rank, short runs, 8 nodes / 64 ranks at scale (for tests)
 
 1. A hang on node 1, rank 3 of a 2 x 2-rank job of the integrated trainer
    (per-node homes, one c10d rendezvous on loopback): is the culprit named
@@ -28,7 +29,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from datetime import timedelta
@@ -38,7 +38,8 @@ import numpy as np
 
 from trainwatch import netbind
 
-from common import BIN, ROOT, env_for, log, wait_for
+from common import (BIN, SMOKE_HELP, env_for, events as incidents, log, new_home, reap_home, run_command, spawn,
+                    wait_for)
 
 TRAINER = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--log-interval", "20"]
 
@@ -51,18 +52,19 @@ def listening(port: int) -> bool:
     return netbind.is_listening("127.0.0.1", port)
 
 
-def start_nodes(root: Path, job: str, port: int, *args: str) -> tuple[list[Path], list[subprocess.Popen]]:
+def start_nodes(root: Path, job: str, port: int, *args: str, nproc: int = 2) -> tuple[list[Path], list[subprocess.Popen]]:
     homes, procs = [], []
     secret = os.urandom(16).hex()  # the job secret, the same on both nodes
     for i in range(2):
         home = root / f"node{i}"
         home.mkdir(parents=True)
-        cmd = [str(BIN / "trainwatch"), "launch", "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
+        cmd = [str(BIN / "trainwatch"), "launch", "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, "--job", job,
                "--node-name", f"n{i}", "--metrics-port", "0", *args]
         log_file = open(root / f"node{i}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env_for(home, TRAINWATCH_JOB_SECRET=secret), stdout=log_file, stderr=subprocess.STDOUT,
-                                      cwd=str(ROOT), start_new_session=True))
+        # Each node in its own home; the secret as `launch` reads it, from the environment.
+        procs.append(spawn(cmd, home, env=env_for(home, TRAINWATCH_JOB_SECRET=secret), stdout=log_file,
+                           stderr=subprocess.STDOUT))
         log_file.close()
         homes.append(home)
         if i == 0:
@@ -70,67 +72,75 @@ def start_nodes(root: Path, job: str, port: int, *args: str) -> tuple[list[Path]
     return homes, procs
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
+def stop(procs: list[subprocess.Popen], homes: list[Path]) -> None:
+    """Kill both nodes outright, then reap what their launchers could not clean
+    (slot segments, scrape targets), as `trainwatch jobs` would."""
     for p in procs:
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         p.wait()
-
-
-def incidents(home: Path, job: str) -> list[dict]:
-    from trainwatch import state
-
-    return state.JobDir(job, root=home).incidents()
+    for home in homes:
+        wait_for(lambda: reap_home(home), 10, 0.2)
 
 
 def diagnose_ranks(home: Path, job: str) -> list[dict]:
-    r = subprocess.run([str(BIN / "trainwatch"), "diagnose", job, "--json"], env=env_for(home), capture_output=True,
-                       text=True, timeout=120, cwd=str(ROOT))
+    try:
+        r = run_command([str(BIN / "trainwatch"), "diagnose", job, "--json"], home, timeout=120)
+    except subprocess.TimeoutExpired:
+        return []
     try:
         return json.loads(r.stdout)["ranks"] if r.returncode == 0 else []
     except (ValueError, KeyError):
         return []
 
 
-def hang_scenario(root: Path) -> dict:
+def hang_scenario(root: Path, nproc: int = 2, steps: tuple[int, int, int] = (25, 60, 10)) -> dict:
+    """A hang in the last rank of node 1 at step steps[0] of steps[1] (checkpoints every steps[2])."""
     job = f"mn-{uuid.uuid4().hex[:6]}"
-    homes, procs = start_nodes(root / "hang", job, free_port(), "--inject", "hang:rank=3,step=25,where=compute",
-                               *TRAINER, "--max-steps", "60", "--ckpt-interval", "10")
+    culprit, world = 2 * nproc - 1, 2 * nproc
+    homes, procs = start_nodes(root / "hang", job, free_port(), "--inject",
+                               f"hang:rank={culprit},step={steps[0]},where=compute", *TRAINER, "--max-steps",
+                               str(steps[1]), "--ckpt-interval", str(steps[2]), nproc=nproc)
     try:
-        ranks = wait_for(lambda: (lambda r: r if len(r) == 4 else None)(diagnose_ranks(homes[0], job)), 120, 0.5) or []
+        ranks = wait_for(lambda: (lambda r: r if len(r) == world else None)(diagnose_ranks(homes[0], job)), 120,
+                         0.5) or []
         codes = [p.wait(timeout=600) for p in procs]
     finally:
-        stop(procs)
+        stop(procs, homes)
     hangs = [e for h in homes for e in incidents(h, job) if e["kind"] == "hang"]
     restarts = [e for h in homes for e in incidents(h, job) if e["kind"] == "restart"]
     resumed = {(e.get("evidence") or {}).get("resumed_from_step") for e in restarts}
     return {
-        "culprit_ok": bool(hangs) and all(e.get("culprit_ranks") == [3] and e.get("nodes") == ["n1"] for e in hangs),
-        "diagnose_sees_all_ranks": {(r.get("rank"), r.get("node")) for r in ranks} == {(0, "n0"), (1, "n0"),
-                                                                                       (2, "n1"), (3, "n1")},
+        "culprit_ok": bool(hangs) and all(e.get("culprit_ranks") == [culprit] and e.get("nodes") == ["n1"]
+                                          for e in hangs),
+        "diagnose_sees_all_ranks": {(r.get("rank"), r.get("node")) for r in ranks}
+        == {(k, f"n{k // nproc}") for k in range(world)},
         "recovered": codes == [0, 0],
         "incidents_per_fault": len({e["id"] for e in hangs}),
         "same_resume_step": len(resumed) == 1 and None not in resumed,
     }
 
 
-def node_lost_scenario(root: Path) -> float | None:
+def node_lost_scenario(root: Path, nproc: int = 2, wait_exit: bool = True) -> float | None:
+    """Seconds from node 1's SIGKILL to node 0's node_lost incident; with `wait_exit`
+    node 0 is then left to end on its own (its rendezvous timeout), else stopped."""
     job = f"mn-{uuid.uuid4().hex[:6]}"
     homes, procs = start_nodes(root / "lost", job, free_port(), "--rdzv-timeout", "10", *TRAINER,
-                               "--max-steps", "100000", "--ckpt-interval", "50")
+                               "--max-steps", "100000", "--ckpt-interval", "50", nproc=nproc)
     try:
-        if not wait_for(lambda: len(diagnose_ranks(homes[0], job)) == 4, 120, 0.5):
+        if not wait_for(lambda: len(diagnose_ranks(homes[0], job)) == 2 * nproc, 120, 0.5):
             return None
         os.killpg(procs[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
         found = wait_for(lambda: [e for e in incidents(homes[0], job) if e["kind"] == "node_lost"], 60, 0.05)
         took = time.monotonic() - t0 if found else None
-        procs[0].wait(timeout=180)
+        if wait_exit:
+            procs[0].wait(timeout=180)
         return took
     finally:
-        stop(procs)
+        stop(procs, homes)
 
 
 def aggregate_ms(nodes: int = 128, per_node: int = 8, rounds: int = 20) -> float:
@@ -171,7 +181,7 @@ def sidecar_round_ms(nranks: int = 4096, rounds: int = 30) -> float:
     from trainwatch.watchdog.engine import _SyntheticJob
     from trainwatch.watchdog.sidecar import Sidecar
 
-    home = Path(tempfile.mkdtemp(prefix="trainwatch-bench-round-"))
+    home = new_home("round")
     os.environ["TRAINWATCH_HOME"] = str(home)
     path = str(home / "seg.slots")
     slots.create_segment(path, nranks)
@@ -200,28 +210,33 @@ def sidecar_round_ms(nranks: int = 4096, rounds: int = 30) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-e2e", action="store_true", help="only the scale measurements")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
+    # --smoke: 2 nodes x 1 rank, the hang at step 6 of 14 (checkpoints every 3); 8 nodes x 8 ranks
+    # through the store, 3 rounds; a sidecar round over 64 ranks.
+    nproc = 1 if args.smoke else 2
     out = {"nodes": 2, "culprit_ok": None, "diagnose_sees_all_ranks": None, "recovered": None,
            "incidents_per_fault": None, "same_resume_step": None, "node_lost_s": None}
-    root = Path(tempfile.mkdtemp(prefix="trainwatch-bench-multinode-"))
+    root = new_home("multinode")
     try:
         if not args.skip_e2e:
-            log("hang on node 1 rank 3 (2 nodes x 2 ranks) ...")
-            out.update(hang_scenario(root))
+            log(f"hang on node 1 rank {2 * nproc - 1} (2 nodes x {nproc} ranks) ...")
+            out.update(hang_scenario(root, nproc, (6, 14, 3) if args.smoke else (25, 60, 10)))
             log(f"  {out}")
             log("node 1 SIGKILLed ...")
-            lost = node_lost_scenario(root)
+            lost = node_lost_scenario(root, nproc, wait_exit=not args.smoke)
             out["node_lost_s"] = round(lost, 2) if lost is not None else None
             log(f"  node_lost after {out['node_lost_s']} s")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     log("job-wide refresh, 128 nodes x 8 ranks through a TCPStore ...")
-    out["aggregate_ms_1024_ranks"] = aggregate_ms()
+    out["aggregate_ms_1024_ranks"] = aggregate_ms(8, 8, 3) if args.smoke else aggregate_ms()
     log("sidecar round at 4096 ranks ...")
-    out["sidecar_round_ms_4096_ranks"] = sidecar_round_ms()
+    out["sidecar_round_ms_4096_ranks"] = sidecar_round_ms(64, 3) if args.smoke else sidecar_round_ms()
     print(json.dumps(out))
-    sys.exit(0)
 
 
 if __name__ == "__main__":
-    main()
+    import common
+
+    common.main(main)

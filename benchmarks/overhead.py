@@ -2,6 +2,7 @@
 instrumentation costs a real DDP training step.
 
     python benchmarks/overhead.py [--ranks 2] [--model-size small] [--pairs 12] [--block 15] [--device cpu|cuda]
+    python benchmarks/overhead.py --smoke    # every measurement once, tiny (seconds; for tests)
 
 record_ns: median cost of one tw.step(loss=..., grad_norm=...) into a real
 shared-memory slot (sampler thread running, as under `trainwatch launch`).
@@ -33,19 +34,19 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common import BIN, ROOT, SMOKE_HELP, env_for, new_home, run_command
 from trainwatch import slots
 from trainwatch.rank import telemetry as api
 
 
 def measure_record_ns(calls: int = 20000, batches: int = 15) -> float:
-    path = os.path.join(tempfile.mkdtemp(), "seg")
+    path = str(new_home("overhead-record") / "seg")
     slots.create_segment(path, 1)
     seg = slots.Segment(path)
     tw = api.Telemetry(seg, 0, rank=0, world_size=1, restart=0, attached=True)
@@ -134,7 +135,7 @@ def measure_step_ratio(args: argparse.Namespace) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = os.path.join(tempfile.mkdtemp(), "times.json")
+    out = str(new_home("overhead-step") / "times.json")
     os.makedirs(out + ".d")
     slots.create_segment(os.path.join(out + ".d", "seg"), args.ranks)
     mp.start_processes(_rank_main, args=(args.ranks, port, args, out), nprocs=args.ranks, start_method="spawn")
@@ -155,7 +156,7 @@ def measure_wrapper_ns(calls: int = 2000, batches: int = 9) -> float:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    path = os.path.join(tempfile.mkdtemp(), "seg")
+    path = str(new_home("overhead-wrapper") / "seg")
     slots.create_segment(path, 1)
     tw = api.Telemetry(slots.Segment(path), 0, rank=0, world_size=1, restart=0, attached=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -181,10 +182,7 @@ def measure_wrapper_ns(calls: int = 2000, batches: int = 9) -> float:
 def _zero_code_run(launcher: str, ranks: int, steps: int) -> tuple[float, float, float]:
     """(median step s, CPU s per step summed over ranks, of which in trainwatch's
     threads) of one run of the collective-heavy script, each rank pinned to a CPU."""
-    import subprocess
     from pathlib import Path
-
-    from common import BIN, ROOT, env_for, new_home
 
     home = new_home("overhead")
     out = str(home / "times")
@@ -193,8 +191,8 @@ def _zero_code_run(launcher: str, ranks: int, steps: int) -> tuple[float, float,
         cmd = [str(BIN / "trainwatch"), "launch", "--nproc-per-node", str(ranks), "--job", "overhead", "--no-restart"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-    r = subprocess.run([*cmd, script, "--steps", str(steps), "--out", out, "--pin"], env=env_for(home), cwd=str(ROOT),
-                       capture_output=True, text=True, timeout=900)
+    r = run_command([*cmd, script, "--steps", str(steps), "--out", out, "--pin"], home, env=env_for(home),
+                    timeout=900)
     if r.returncode != 0:
         raise RuntimeError(f"{launcher} run failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
     per_rank = [json.loads(Path(f"{out}.rank{k}.json").read_text()) for k in range(ranks)]
@@ -204,7 +202,7 @@ def _zero_code_run(launcher: str, ranks: int, steps: int) -> tuple[float, float,
     return step_s, cpu, tw_cpu
 
 
-def measure_zero_code(ranks: int, pairs: int, steps: int) -> dict:
+def measure_zero_code(ranks: int, pairs: int, steps: int, wrapper_calls: int = 2000) -> dict:
     runs: dict[str, list[tuple[float, float, float]]] = {"trainwatch": [], "torchrun": []}
     for pair in range(pairs):
         order = ("trainwatch", "torchrun") if pair % 2 == 0 else ("torchrun", "trainwatch")
@@ -221,7 +219,7 @@ def measure_zero_code(ranks: int, pairs: int, steps: int) -> dict:
     pair_step = sorted(tw[0] / tr[0] for tw, tr in pairs_of)
     pair_cpu = sorted(tw[1] / tr[1] for tw, tr in pairs_of)
     print("  per collective: what trainwatch's wrapper adds ...", file=sys.stderr, flush=True)
-    wrapper_ns = measure_wrapper_ns()
+    wrapper_ns = measure_wrapper_ns(calls=wrapper_calls)
     # The rank-side cost itself, free of that noise: the sampler thread's CPU
     # and ten wrapped collectives, per step of one rank.
     sampler_s = statistics.median(v[2] for v in runs["trainwatch"]) / ranks
@@ -253,12 +251,16 @@ def main() -> None:
     p.add_argument("--zero-code-pairs", type=int, default=8, help="trainwatch/torchrun run pairs (0 = skip)")
     p.add_argument("--zero-code-steps", type=int, default=400)
     p.add_argument("--skip-trainer", action="store_true", help="only the zero-code row")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
+    if args.smoke:  # 1 rank of the tiny model, a block of 2 steps a side, one zero-code pair of 10 steps
+        args.ranks, args.model_size, args.pairs, args.block, args.warmup = 1, "tiny", 1, 2, 1
+        args.zero_code_pairs, args.zero_code_steps = 1, 10
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result: dict = {"ranks": args.ranks, "device": args.device}
     if not args.skip_trainer:
         print("measuring record cost ...", file=sys.stderr, flush=True)
-        record_ns = measure_record_ns()
+        record_ns = measure_record_ns(*((200, 3) if args.smoke else ()))
         print(f"  record_ns = {record_ns:.0f}", file=sys.stderr, flush=True)
         print(f"measuring step overhead: {args.ranks} ranks, model {args.model_size}, "
               f"{args.pairs} interleaved pairs of {args.block}-step blocks ...", file=sys.stderr, flush=True)
@@ -274,9 +276,12 @@ def main() -> None:
     if args.zero_code_pairs > 0:
         print(f"zero-code: 10 collectives per step, trainwatch launch vs torchrun, {args.zero_code_pairs} pairs "
               f"of {args.zero_code_steps}-step runs ...", file=sys.stderr, flush=True)
-        result.update(measure_zero_code(args.ranks, args.zero_code_pairs, args.zero_code_steps))
+        result.update(measure_zero_code(args.ranks, args.zero_code_pairs, args.zero_code_steps,
+                                        100 if args.smoke else 2000))
     print(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main()
+    import common
+
+    common.main(main)

@@ -4,6 +4,7 @@
     python benchmarks/recovery.py --script [PATH] [--ranks 2] [--step 150]
     python benchmarks/recovery.py --script [PATH] --compare [--compare-venv DIR] [--repeat N]
     python benchmarks/recovery.py --in-process N [--ranks 4] [--step 100]
+    python benchmarks/recovery.py --smoke    # default mode, 2 ranks of the tiny model, 16 steps (for tests)
 
 Default mode: runs the integrated trainer's default job twice: once
 uninterrupted, once with a hang injected (`--inject hang:where=...`) into one
@@ -65,13 +66,13 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import uuid
 from datetime import datetime
 from pathlib import Path
 
 import torch
-from common import events, faults_fired, finish, job_json, launch, log, new_home, read_jsonl, reap
+from common import (SMOKE_HELP, events, faults_fired, finish, job_json, keep, launch, log, new_home, read_jsonl, reap,
+                    spawn)
 
 TORCHRUN_ALONE = (
     "plain torchrun waits in the hung all_reduce until gloo's 30 min timeout (NCCL: 10 min), then fails; "
@@ -108,7 +109,7 @@ def reference(args):
     """(final step, final weights) of an uninterrupted run of the default job."""
     log(f"uninterrupted default job on {args.ranks} ranks ...")
     ref_home, ref_job = new_home("recovery-ref"), uid("ref")
-    code, out = run(ref_home, ref_job, args.ranks)
+    code, out = run(ref_home, ref_job, args.ranks, *args.trainer)
     if code != 0:
         raise SystemExit(f"reference run failed:\n{out[-3000:]}")
     ref_step, ref = final_weights(ref_home, ref_job)
@@ -122,7 +123,7 @@ def integrated(args) -> None:
     spec = f"hang:where={args.where},rank={args.rank},step={args.step}"
     log(f"default job with --inject {spec} ...")
     home, job = new_home("recovery"), uid("hung")
-    code, out = run(home, job, args.ranks, "--inject", spec)
+    code, out = run(home, job, args.ranks, "--inject", spec, *args.trainer)
     restarts = [e for e in events(home, job) if e["kind"] == "restart"]
     step, weights = final_weights(home, job)
     recovered = code == 0 and bool(restarts) and step == ref_step
@@ -167,7 +168,7 @@ def in_process(args) -> None:
     rows = []
     for i in range(args.in_process):
         home, job = new_home("inproc"), uid("inproc")
-        code, out = run(home, job, args.ranks, "--inject", spec)
+        code, out = run(home, job, args.ranks, "--inject", spec, *args.trainer)
         evs = [json.loads(line) for line in (home / "jobs" / job / "events.jsonl").read_text().splitlines()]
         fired = faults_fired(home, job)
         inc = next((e for e in evs if e["kind"] == "collective_mismatch"), None)
@@ -284,6 +285,7 @@ def tw_script_run(args, label: str, hang: bool, ref=None) -> dict:
     res = {"home": str(home), "job": job, "code": proc.returncode}
     if not hang:
         if proc.returncode != 0:
+            keep(home)
             raise SystemExit(f"reference run failed (log {work / 'launcher.log'}):\n{out[-3000:]}")
         return res
     sl = script_log(work, args.ranks, "mono")
@@ -323,6 +325,8 @@ def tw_script_run(args, label: str, hang: bool, ref=None) -> dict:
     })
     if why:
         res["bitwise_reason"] = why
+    if not res["recovered"]:
+        keep(home)  # its path is in the log line: what went wrong is in it
     return res
 
 
@@ -348,7 +352,7 @@ def nvrx_available(venv: Path) -> str | None:
 
 
 def nvrx_run(args, variant: str, ref) -> dict:
-    work = Path(tempfile.mkdtemp(prefix=f"trainwatch-bench-nvrx-{variant}-"))
+    work = new_home(f"nvrx-{variant}")
     tmp = work / "tmp"
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items()
@@ -359,8 +363,7 @@ def nvrx_run(args, variant: str, ref) -> dict:
         ft += ["--ft-rank-heartbeat-timeout", "5"]
     cmd = [str(args.compare_venv / "bin" / "ft_launcher"), "--standalone", "--nproc-per-node", str(args.ranks),
            "--max-restarts", "3", *ft, str(args.script), *script_args(args, work, True, nvrx=variant)]
-    proc = subprocess.Popen(cmd, env=env, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = spawn(cmd, env=env, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = finish(proc, args.timeout)
     (work / "launcher.log").write_text(out)
     reap(proc)
@@ -398,6 +401,7 @@ def nvrx_run(args, variant: str, ref) -> dict:
     if why:
         rec["bitwise_reason"] = why
     if not rec["recovered"]:
+        keep(work)
         log(f"  nvrx-{variant} did not recover (exit {proc.returncode}); log {work / 'launcher.log'}")
     shutil.rmtree(tmp, ignore_errors=True)  # ft_launcher's IPC sockets, torchelastic's log dir
     return rec
@@ -484,9 +488,7 @@ def _timed(cmd: list[str], home: Path, timeout: float) -> tuple[float, int, str]
     import time
 
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env={**os.environ, "TRAINWATCH_HOME": str(home), "OMP_NUM_THREADS": "1",
-                                      "PYTHONUNBUFFERED": "1"}, cwd=str(home), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = spawn(cmd, home, cwd=str(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = finish(proc, timeout)
     seconds = round(time.monotonic() - t0, 2)
     reap(proc)
@@ -497,7 +499,7 @@ def fail_fast(args) -> None:
     import socket
     import sys
 
-    work = Path(tempfile.mkdtemp(prefix="trainwatch-bench-failfast-"))
+    work = new_home("failfast")
     bad = work / "bad_config.py"
     bad.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
                    "raise ValueError('width 5 is not divisible by 2')\n")
@@ -593,7 +595,13 @@ def main() -> None:
                    help="deterministic errors vs torchrun (time to exit) and the preemption checkpoint row")
     p.add_argument("--in-process", type=int, metavar="N", default=0,
                    help="a collective mismatch recovered inside the running ranks, N runs (integrated trainer)")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP + "; the default mode")
     args = p.parse_args()
+    args.trainer = []  # the default job's command line: the integrated trainer's defaults
+    if args.smoke:
+        args.ranks, args.rank, args.step, args.script, args.fail_fast, args.in_process = 2, 1, 8, None, False, 0
+        args.trainer = ["-m", "trainwatch.trainer", "--model-size", "tiny", "--max-steps", "16", "--ckpt-interval", "4",
+                        "--log-interval", "100"]
     if args.fail_fast:
         fail_fast(args)
         return
@@ -614,4 +622,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import common
+
+    common.main(main)

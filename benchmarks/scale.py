@@ -2,6 +2,7 @@
 period, how long `diagnose` takes, at 8 to 16384 simulated ranks.
 
     python benchmarks/scale.py [--quick]
+    python benchmarks/scale.py --smoke   # every measurement at 8 to 64 ranks, a few seconds each (for tests)
 
 Ranks are simulated where thousands are needed: real slot segments and real
 sidecars (a node's 8 ranks per segment; the job-wide aggregator fed every
@@ -17,7 +18,8 @@ runs as the command: on a live 16-rank job (real gloo ranks) and on a finished
 At 512 and 4096 the scrape figures are the job-wide aggregator's endpoint (its
 own node's ranks plus the job-wide series). `tick_period_ms` is the p99 of the
 time between detection rounds of one sidecar watching that many ranks, with
-snapshots and history samples due as usual (tick 150 ms).
+snapshots and history samples due as usual (tick 150 ms; a round every tick, as
+while something develops: the quiet cadence would only lengthen the period).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import io
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 
-from common import log, new_home  # noqa: E402
+from common import SMOKE_HELP, log, new_home, run_command  # noqa: E402
 
 RANKS_PER_NODE = 8
 
@@ -151,6 +152,7 @@ def scrape_figures(ranks: int, tmp: Path) -> tuple[int, float]:
 def tick_period_p99(ranks: int, tmp: Path, seconds: float) -> float:
     """p99 of the time between detection rounds of one sidecar watching `ranks`."""
     node = SimulatedNode(f"tick{ranks}", "n0", ranks, 0, tmp)
+    node.sidecar.config.quiet_ticks = 1
     starts: list[float] = []
     node.sidecar.tick_started = starts.append
     stop = threading.Event()
@@ -189,8 +191,7 @@ def _time_diagnose(job: str, rounds: int = 3) -> float:
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "trainwatch", "diagnose", job, "--json"], capture_output=True,
-                           text=True, timeout=600, env=os.environ)
+        r = run_command([sys.executable, "-m", "trainwatch", "diagnose", job, "--json"], timeout=600, env=os.environ)
         times.append(time.perf_counter() - t0)
         if r.returncode != 0:
             raise RuntimeError(f"diagnose {job}: {r.stderr.strip()}")
@@ -207,8 +208,8 @@ def diagnose_live(nproc: int) -> float:
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            r = subprocess.run([sys.executable, "-m", "trainwatch", "diagnose", job, "--json", "--timeout", "3"],
-                               capture_output=True, text=True, timeout=120)
+            r = run_command([sys.executable, "-m", "trainwatch", "diagnose", job, "--json", "--timeout", "3"],
+                            timeout=120, env=os.environ)
             if r.returncode == 0 and json.loads(r.stdout)["status"] == "running":
                 break
             time.sleep(1.0)
@@ -222,29 +223,37 @@ def diagnose_live(nproc: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="shorter tick runs; no 16384")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
+    # --smoke: scrapes at 8 and 16 ranks (16: the aggregator's), the tick period at 64 ranks for 2 s,
+    # diagnose of a finished 64-rank job and of a live 2-rank one, the default panels over 16 ranks.
+    sizes = {"scrape": (8, 16), "tick": (64,), "tick_s": 2, "finished": 64, "live": 2, "panels": 16,
+             "panels_s": 8.0} if args.smoke else {
+        "scrape": (8, 512, 4096), "tick": (4096,) if args.quick else (4096, 16384), "tick_s": 10 if args.quick else 30,
+        "finished": 4096, "live": 16, "panels": 4096, "panels_s": 45.0}
     home = new_home("scale")
     os.environ["TRAINWATCH_HOME"] = str(home)
     tmp = Path(f"/dev/shm/trainwatch-bench-scale-{os.getpid()}")
     tmp.mkdir()
     out: dict = {"scrape_bytes": {}, "scrape_s": {}, "tick_period_ms": {}, "diagnose_s": {}}
     try:
-        for ranks in (8, 512, 4096):
+        for ranks in sizes["scrape"]:
             size, secs = scrape_figures(ranks, tmp)
             out["scrape_bytes"][str(ranks)], out["scrape_s"][str(ranks)] = size, round(secs, 4)
             log(f"scrape at {ranks} ranks: {size} bytes in {secs:.3f} s")
-        for ranks in (4096,) if args.quick else (4096, 16384):
-            p99 = tick_period_p99(ranks, tmp, 10 if args.quick else 30)
+        for ranks in sizes["tick"]:
+            p99 = tick_period_p99(ranks, tmp, sizes["tick_s"])
             out["tick_period_ms"][str(ranks)] = round(p99, 1)
             log(f"tick period p99 at {ranks} ranks: {p99:.1f} ms")
-        out["diagnose_s"]["finished_4096"] = round(diagnose_finished(4096, tmp), 3)
-        log(f"diagnose of a finished 4096-rank job: {out['diagnose_s']['finished_4096']} s")
-        out["diagnose_s"]["live_16"] = round(diagnose_live(16), 3)
-        log(f"diagnose of a live 16-rank job: {out['diagnose_s']['live_16']} s")
-        counts = panel_series(4096, tmp)
+        finished, live = f"finished_{sizes['finished']}", f"live_{sizes['live']}"
+        out["diagnose_s"][finished] = round(diagnose_finished(sizes["finished"], tmp), 3)
+        log(f"diagnose of a finished {sizes['finished']}-rank job: {out['diagnose_s'][finished]} s")
+        out["diagnose_s"][live] = round(diagnose_live(sizes["live"]), 3)
+        log(f"diagnose of a live {sizes['live']}-rank job: {out['diagnose_s'][live]} s")
+        counts = panel_series(sizes["panels"], tmp, sizes["panels_s"])
         empty = sorted(k for k, n in counts.items() if n == 0)
         out["series_per_default_panel_max"] = max(counts.values())
-        log(f"series per default panel at 4096 ranks: max {max(counts.values())} "
+        log(f"series per default panel at {sizes['panels']} ranks: max {max(counts.values())} "
             f"({max(counts, key=counts.get)}); {len(counts)} panels, no data: {empty}")
     finally:
         for leftover in tmp.iterdir():
@@ -347,4 +356,6 @@ def panel_series(ranks: int, tmp: Path, seconds: float = 45.0) -> dict[str, int]
 
 
 if __name__ == "__main__":
-    main()
+    import common
+
+    common.main(main)

@@ -2,6 +2,7 @@
 
     python benchmarks/stragglers.py [--runs 10] [--ranks 4] [--model-size tiny] [--neighbour alternate]
                                     [--workload trainer|zero-code] [--flight-recorder-off]
+    python benchmarks/stragglers.py --smoke   # one short healthy run, one control, 2 ranks, alone (for tests)
 
 Runs `--runs` healthy jobs of the integrated trainer (4 ranks, 200 steps)
 while another job runs beside them on the same machine: a second, healthy
@@ -64,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import ROOT, events, faults_fired, job_json, launch, log, new_home, reap, wait_for
+from common import SMOKE_HELP, ROOT, events, faults_fired, job_json, keep, launch, log, new_home, reap, spawn, wait_for
 
 TICK_S = 0.15  # the sidecar's default tick
 CULPRIT = 2
@@ -111,7 +112,7 @@ class Neighbour:
         self.home: Path | None = None
         self.name = ""
         if kind in ("hog", "both"):
-            self.hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            self.hog = spawn([sys.executable, "-c", "while True: pass"])
         if kind in ("job", "both"):
             self.home = new_home("straggler-neighbour")
             self.name = f"neighbour-{uuid.uuid4().hex[:6]}"
@@ -205,6 +206,7 @@ def run_job(home: Path, job: str, args, *extra: str, until=None, timeout: float 
         # be left: not a process of its session, not its slot segment.
         LEFTOVERS.extend(reap(proc, home, job))
     if until is None and proc.returncode != 0:
+        keep(home)
         log(f"  {job} exited {proc.returncode} (its home {home} is kept); its last output:\n{output.tail()}")
     return [e for e in events(home, job) if e["kind"] == "straggler"], proc
 
@@ -245,7 +247,8 @@ def control_run(args) -> dict:
     kind = args.control_neighbour
     job = f"straggler-{uuid.uuid4().hex[:6]}"
     home = new_home("straggler-control")
-    spec = f"straggler:delay={args.delay},rank={CULPRIT},step=5"
+    culprit = min(CULPRIT, args.ranks - 1)
+    spec = f"straggler:delay={args.delay},rank={culprit},step=5"
     log(f"control: --inject {spec} beside {kind} ...")
     nb = Neighbour(kind, args.model_size, args.trace) if kind != "none" else None
     try:
@@ -256,7 +259,7 @@ def control_run(args) -> dict:
     finally:
         if nb is not None:
             nb.stop()
-    out = {"detected": bool(found), "culprit_ok": bool(found) and found[0]["culprit_ranks"] == [CULPRIT],
+    out = {"detected": bool(found), "culprit_ok": bool(found) and found[0]["culprit_ranks"] == [culprit],
            "detect_s": None, "neighbour": kind, "source": found[0]["evidence"].get("source") if found else None}
     if found and fired:
         out["detect_s"] = round(found[0]["detected_mono"] - fired[0]["mono"], 2)
@@ -364,7 +367,13 @@ def main() -> None:
                    help="run every job with TORCH_FR_BUFFER_SIZE=0 (no arrival times: compute time only)")
     p.add_argument("--tick-ranks", type=int, help="measure one detector round over this many ranks and exit")
     p.add_argument("--keep", action="store_true", help="keep the runs' TRAINWATCH_HOME directories")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args()
+    if args.keep:
+        os.environ["TRAINWATCH_BENCH_KEEP"] = "1"  # common.clean_up() keeps every home
+    if args.smoke:  # 2 ranks: one healthy run of 20 steps and the control, alone (a hog would slow every test)
+        args.runs, args.ranks, args.steps, args.neighbour, args.control_neighbour = 1, 2, 20, "none", "none"
+        args.timeout, args.tick_ranks, args.replay = 90.0, None, None
     if args.replay:
         replay(Path(args.replay), args.detector, arrivals=not args.no_arrivals)
         return
@@ -394,4 +403,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import common
+
+    common.main(main)

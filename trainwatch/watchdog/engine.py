@@ -37,7 +37,7 @@ import numpy as np
 
 from trainwatch import kinds, slots
 from trainwatch.watchdog.config import EngineConfig
-from trainwatch.watchdog.detectors.base import Detector, TickView, grow
+from trainwatch.watchdog.detectors.base import Detector, StepChanges, StepTracker, TickView, grow
 from trainwatch.watchdog.incident import Incident
 
 MUTES = kinds.MUTES
@@ -108,6 +108,12 @@ class DetectorEngine:
         self._seen: dict[str, _Seen] = {}
         self._episodes: dict[str, _Episode] = {}
         self._resolved: list[Resolved] = []
+        self._steps = StepTracker()  # one for every detector: each round works it out once
+
+    def busy(self) -> bool:
+        """Whether the next rounds should come at the fast cadence: an incident
+        open or waiting to be resolved, a mute episode, or a detector busy."""
+        return bool(self._seen or self._episodes) or any(det.busy for det in self.detectors)
 
     def open_incidents(self) -> list[Incident]:
         """Incidents whose condition is not over, oldest first."""
@@ -122,6 +128,14 @@ class DetectorEngine:
         """The running detector of that name (e.g. 'straggler' for its ratios)."""
         return next((d for d in self.detectors if d.name == name), None)
 
+    def sample(self, view: TickView) -> None:
+        """A tick without a round: each detector keeps the samples the next round would miss."""
+        for det in self.detectors:
+            try:
+                det.sample(view)
+            except Exception:
+                self.log.exception("detector %s failed to sample; the other detectors still ran", det.name)
+
     def tick(self, view: TickView, extra: Iterable[Incident] = (),
              causes: dict[str, Iterable[str]] | None = None) -> list[Incident]:
         """Run one round over `view`; return the incidents newly opened (to act
@@ -130,6 +144,9 @@ class DetectorEngine:
         known this round from outside the detectors to explain incidents of
         the kinds it names (a restart under way, a node's open crash): those
         are muted this round, never opened."""
+        if view.steps is None:
+            advanced, restarted = self._steps.update(view.table)
+            view.steps = StepChanges(advanced, restarted, self._steps.first)
         found: list[Incident] = []
         for inc in extra:
             if not inc.detected_mono:

@@ -23,10 +23,9 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-
 from trainwatch import kinds, procctl, rankrow, records, slots, state
 from trainwatch.diagnostics.goodput import Goodput
-from trainwatch.watchdog import otel, thresholds
+from trainwatch.watchdog import cadence, otel, thresholds
 from trainwatch.watchdog.config import SidecarConfig
 from trainwatch.watchdog.detectors import default_detectors
 from trainwatch.watchdog.detectors.base import RankExit, TickView, rank_exit_from_line as _rank_exit
@@ -92,7 +91,9 @@ class Sidecar:
         """Engine key -> id of the open incident this node's engine raised."""
         self.step_hist = StepHistogram()
         self.phase_clock = PhaseClock()
-        self._exits_offset = 0
+        self.exits_read = 0  # bytes of control/exits.jsonl read so far
+        self.last_exits: list[RankExit] = []
+        self.states = procctl.ProcessStates()
         self._hardware: list = []
         detectors = detectors if detectors is not None else default_detectors(self.config.detectors)
         self.thresholds = thresholds.Persisted(self.dir.thresholds_file, detectors, clock)  # learnt, kept across runs
@@ -196,16 +197,16 @@ class Sidecar:
         """Rank exits the agent reported since the last read (control/exits.jsonl)."""
         path = self.dir.exits_file
         try:
-            if os.stat(path).st_size <= self._exits_offset:
+            if os.stat(path).st_size <= self.exits_read:
                 return []
             with open(path, "rb") as f:
-                f.seek(self._exits_offset)
+                f.seek(self.exits_read)
                 data = f.read()
         except OSError:
             return []
         # Only whole lines: a line being written is read next time.
         end = data.rfind(b"\n") + 1
-        self._exits_offset += end
+        self.exits_read += end
         exits = []
         for line in data[:end].splitlines():
             exit_ = _rank_exit(line, self.node, self.run_id)
@@ -217,8 +218,9 @@ class Sidecar:
         # Looked at before the read: when it says no restart, the read holds the new workers' slots.
         self.last_restarting = self.dir.restarting_file.exists()
         table = self.read()
-        view = TickView(now=self.clock(), table=table, nodes=self.last_nodes, proc_state=procctl.process_state,
-                        exits=self.read_exits())
+        self.last_exits = self.read_exits()
+        view = TickView(now=self.clock(), table=table, nodes=self.last_nodes, proc_state=self.states,
+                        exits=self.last_exits)
         # Hardware faults (NVML, kernel log) go through the engine too: one lifecycle for every incident.
         extra = [i for source in self._hardware for i in source.poll_incidents(self)]
         quiet = {"a restart under way": kinds.RESTART_QUIET} if self.last_restarting else None
@@ -321,6 +323,7 @@ class Sidecar:
         # it again (at thousands of ranks a full collection is a pause of hundreds of ms).
         gc.freeze()
         interval_s = self.config.tick_s
+        rounds = cadence.Cadence(interval_s, self.config.quiet_ticks)
         next_at = time.monotonic()
         last_snapshot = -float("inf")
         while not stop.is_set():
@@ -330,16 +333,18 @@ class Sidecar:
                 print("[trainwatch] the launcher is gone; the sidecar stops", file=self.out, flush=True)
                 break
             try:
-                self.tick_started(time.monotonic())
-                with self.tick_gate.ticking():
-                    self.tick()
-                due = time.monotonic() - last_snapshot >= writer.spacing("snapshot", self.config.snapshot_s)
-                submit_writes(self, writer, snapshot=due)
-                if due:
-                    last_snapshot = time.monotonic()
+                if rounds.due(lambda: cadence.between(self)):
+                    self.tick_started(time.monotonic())
+                    with self.tick_gate.ticking():
+                        self.tick()
+                    rounds.busy = cadence.following(self, rounds)
+                    due = time.monotonic() - last_snapshot >= writer.spacing("snapshot", self.config.snapshot_s)
+                    submit_writes(self, writer, snapshot=due)
+                    if due:
+                        last_snapshot = time.monotonic()
             except Exception:
                 log.exception("trainwatch sidecar: tick failed")
-            next_at += interval_s
+            next_at += rounds.interval()
             delay = next_at - time.monotonic()
             if delay < 0:
                 next_at = time.monotonic()
@@ -371,6 +376,7 @@ class Sidecar:
         """Called at the start of every round of run() (its monotonic time); a hook for measuring the period."""
 
     def close(self) -> None:
+        self.states.close()
         for source in self._hardware:
             try:
                 source.close()
@@ -383,14 +389,6 @@ class Sidecar:
 def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:
     server = serve_metrics(TrainwatchCollector(sidecar), host, port)
     return f"{host}:{server.server_port}"
-
-
-def add_hardware_monitor(sidecar: Sidecar) -> None:
-    """NVML and the kernel log; injected Xid/ECC faults come in as a fake GPU."""
-    try:
-        sidecar.add_hardware(HardwareMonitor.for_job(sidecar.config, sidecar.segment.nslots))
-    except Exception:  # hardware checks are an extra; never let them stop the watchdog
-        log.exception("trainwatch: hardware checks off")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
             jobstore = None
     sidecar = Sidecar(args.job, args.slots, node=args.node, config=config, respond=True, tracer=tracer, run=args.run,
                       launcher_pid=args.launcher_pid, jobstore=jobstore, aggregate=args.aggregate)
-    add_hardware_monitor(sidecar)
+    try:  # NVML and the kernel log; injected Xid/ECC faults come in as a fake GPU
+        sidecar.add_hardware(HardwareMonitor.for_job(sidecar.config, sidecar.segment.nslots))
+    except Exception:  # hardware checks are an extra; never let them stop the watchdog
+        log.exception("trainwatch: hardware checks off")
     address = None
     if args.metrics_port >= 0:
         try:

@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from trainwatch import slots
-from trainwatch.watchdog.detectors.base import TickView, grow, row_median
+from trainwatch.watchdog.detectors.base import TickView, grow, median, row_median
 from trainwatch.watchdog.detectors.peers import JITTER_SAMPLE, MAD_TO_SIGMA, OwnBaseline, StepTable, peer_median
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
@@ -113,6 +113,7 @@ class ArrivalEvaluator:
         self._baseline = OwnBaseline()
         self._frontier = -1
         self._current: Incident | None = None
+        self._taken = False  # arrivals taken between rounds, not evaluated yet
         self.active = False
         self.covered = np.zeros(0, dtype=np.int64)
         self.judgement: tuple[np.ndarray, ...] = ()
@@ -125,6 +126,10 @@ class ArrivalEvaluator:
         inside = (ranks >= 0) & (ranks < len(self._streak))
         at = np.where(inside, ranks, 0)
         return inside & ((self._streak[at] > 0) | self._late[at])
+
+    def streaking(self) -> bool:
+        """Whether some rank is late and building its streak."""
+        return bool(self._streak.any())
 
     def confirming(self, ranks: np.ndarray) -> np.ndarray:
         """Which of these ranks the arrivals are persisting on (behind their own baseline): their
@@ -150,18 +155,54 @@ class ArrivalEvaluator:
         self._streak[ranks] = 0
         self._baseline.reset(ranks)
 
+    def sample(self, view: TickView) -> None:
+        """Between rounds: take the arrivals published since the last (the ring
+        wraps); the next check() evaluates them."""
+        if self._take(view, np.zeros(0, dtype=np.int64)):
+            self._taken = True
+
     def check(self, view: TickView, restarted: np.ndarray,
               ratios: Callable[[], dict[int, float]] | None = None) -> Incident | None:
         """One tick. `restarted`: the ranks whose step went backwards or whose
         process changed (the compute path's StepTracker); `ratios`: the
         compute slowdown ratios, quoted in the evidence where known."""
+        if not self._take(view, restarted) and not self._taken:
+            return self._current if self.active else None
+        self._taken = False
+        t = view.table
+        ranks = t["rank"].astype(np.int64)
+        src = t["arrival_source"].astype(np.int64)
+        publishing = (src == slots.ARRIVAL_ENQUEUED) | (src == slots.ARRIVAL_STARTED)
+        # Compare ranks of the most common source only, once past their start-up.
+        source = int(np.argmax(np.bincount(src[publishing], minlength=3)))
+        judged = publishing & (src == source) & (self._floor[ranks] >= 0)
+        if int(judged.sum()) < 2:
+            self._current = self._inactive(ranks)
+            return None
+        # Up to where (nearly) every rank has published: a rank's sampler runs on
+        # its own schedule, and a collective it has not published yet is not one
+        # it missed. The 10th percentile, so a few silent ranks of a big job do
+        # not hold the window back. One evaluation per new frontier, as the
+        # compute path evaluates once per new step.
+        tops = self._top[ranks[judged]]
+        k = len(tops) // 10
+        frontier = int(np.partition(tops, k)[k])
+        if frontier == self._frontier:
+            return self._current if self.active else None
+        self._frontier = frontier
+        self._current = self._evaluate(view, ranks, judged, frontier, SOURCE_NAMES.get(source, str(source)), ratios)
+        return self._current
+
+    def _take(self, view: TickView, restarted: np.ndarray) -> bool:
+        """Put the arrivals published since the last take into the table; True
+        when some rank published new ones (an evaluation is due)."""
         t = view.table
         src = t["arrival_source"].astype(np.int64)
         publishing = (src == slots.ARRIVAL_ENQUEUED) | (src == slots.ARRIVAL_STARTED)
         if len(t) == 0 or not publishing.any():
-            self.active, self._current = False, None
+            self.active, self._current, self._taken = False, None, False
             self.covered = np.zeros(0, dtype=np.int64)
-            return None
+            return False
         ranks = t["rank"].astype(np.int64)
         self._grow(int(ranks.max()) + 1)
         arr = t["arrivals"]
@@ -192,7 +233,7 @@ class ArrivalEvaluator:
         before = self._top[ranks]
         advanced = (top > before) & (self._floor[ranks] >= 0)
         if not advanced.any():
-            return self._current if self.active else None
+            return False
         self._top[ranks] = np.maximum(top, before)
         # Only entries newer than the rank's last: the older ones are in the table.
         newer = np.where(advanced, np.maximum(before, self._floor[ranks]), _MAX_SEQ)
@@ -209,25 +250,7 @@ class ArrivalEvaluator:
         if len(i):
             cand = np.unique(np.concatenate([cand, seqs[i[picked], j[picked]]]))[-_CANDIDATES:]
         self._cand = cand
-        # Compare ranks of the most common source only, once past their start-up.
-        source = int(np.argmax(np.bincount(src[publishing], minlength=3)))
-        judged = publishing & (src == source) & (self._floor[ranks] >= 0)
-        if int(judged.sum()) < 2:
-            self._current = self._inactive(ranks)
-            return None
-        # Up to where (nearly) every rank has published: a rank's sampler runs on
-        # its own schedule, and a collective it has not published yet is not one
-        # it missed. The 10th percentile, so a few silent ranks of a big job do
-        # not hold the window back. One evaluation per new frontier, as the
-        # compute path evaluates once per new step.
-        tops = self._top[ranks[judged]]
-        k = len(tops) // 10
-        frontier = int(np.partition(tops, k)[k])
-        if frontier == self._frontier:
-            return self._current if self.active else None
-        self._frontier = frontier
-        self._current = self._evaluate(view, ranks, judged, frontier, SOURCE_NAMES.get(source, str(source)), ratios)
-        return self._current
+        return True
 
     def _inactive(self, ranks: np.ndarray) -> None:
         self.active = False
@@ -266,7 +289,7 @@ class ArrivalEvaluator:
         frac = last[ok].sum(axis=1) / counts[ok]
         every = max(1, len(rows) // JITTER_SAMPLE)
         spread = row_median(np.abs(late[rows[::every]] - lat[::every, None]), counts[rows[::every]])
-        mad = max(float(np.median(spread)), _MAD_FLOOR_S)
+        mad = max(median(spread), _MAD_FLOOR_S)
         z = MAD_TO_SIGMA * lat / mad
         r = ranks[rows]
         # Behind its own baseline too: a rank last by role (a pipeline's first

@@ -45,6 +45,9 @@ class TickView:
     proc_state: Callable[[int], str | None] | None = None
     """Optional probe of a pid's process state ('stopped', 'running', ...): asked only
     about culprits at incident time, so a stopped process is named as such."""
+    steps: StepChanges | None = None
+    """Which rows completed a step since the previous view, worked out once for every
+    detector of an engine (DetectorEngine sets it); None: each detector's own tracker."""
 
     @classmethod
     def from_table(
@@ -63,10 +66,19 @@ class Detector(ABC):
     """One fault detector. Register new ones in `trainwatch.watchdog.detectors`."""
 
     name: ClassVar[str] = ""
+    busy: bool = False
+    """Set by check(): something is developing that the next rounds must follow
+    closely (a rank near its threshold, a state or a timer to confirm). While no
+    detector is busy and nothing is open, the sidecar runs its rounds less often."""
 
     @abstractmethod
     def check(self, view: TickView) -> list[Incident]:
         """Return the faults present in this tick (empty list when healthy)."""
+
+    def sample(self, view: TickView) -> None:
+        """A tick without a round (the sidecar's quiet cadence): keep what the
+        next round could no longer read, such as a per-step value the rank has
+        overwritten by then. Never reports; most detectors need nothing here."""
 
 
 # ---- per-rank state in rank-indexed arrays -----------------------------------------
@@ -80,6 +92,40 @@ def grow(arr: np.ndarray, size: int, fill) -> np.ndarray:
     new = np.full((max(size, 2 * len(arr)),) + arr.shape[1:], fill, dtype=arr.dtype)
     new[: len(arr)] = arr
     return new
+
+
+@dataclass(frozen=True, slots=True)
+class StepChanges:
+    """StepTracker.update()'s answer for one view."""
+
+    advanced: np.ndarray
+    restarted: np.ndarray
+    first: np.ndarray
+    """Rows whose advance is the first step seen from that process."""
+
+
+def step_changes(view: TickView, tracker: StepTracker) -> StepChanges:
+    """The view's step changes: the engine's (worked out once per round for all
+    its detectors, which all see every view), else `tracker`'s (a detector used
+    on its own, as tests do)."""
+    if view.steps is not None:
+        return view.steps
+    advanced, restarted = tracker.update(view.table)
+    return StepChanges(advanced, restarted, tracker.first)
+
+
+def phase_mask(codes: np.ndarray) -> np.ndarray:
+    """A boolean table over phase codes, True at `codes` (for in_phases)."""
+    mask = np.zeros(len(slots.PHASES), dtype=bool)
+    mask[codes] = True
+    return mask
+
+
+def in_phases(phase: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Which of `phase` (slot phase codes) the mask marks; an unknown code is in none.
+    What np.isin answers, without its sort: this runs every round."""
+    known = (phase >= 0) & (phase < len(mask))
+    return mask[np.where(known, phase, 0)] & known
 
 
 class StepTracker:
@@ -224,6 +270,19 @@ def row_quantile(values: np.ndarray, counts: np.ndarray, q: float) -> np.ndarray
     frac = pos - lo
     out = s[rows, lo] * (1.0 - frac) + s[rows, hi] * frac
     return np.where(counts > 0, out, np.nan)
+
+
+def median(values: np.ndarray) -> float:
+    """float(np.median(values)) of a 1-D array, NaN in, NaN out, without numpy's
+    overhead on the handful of values one node has (it runs every round)."""
+    if len(values) > 64:
+        return float(np.median(values))
+    v = values.tolist()
+    if not v or any(x != x for x in v):
+        return math.nan
+    v.sort()
+    mid = len(v) // 2
+    return float(v[mid]) if len(v) % 2 else (v[mid - 1] + v[mid]) / 2.0
 
 
 def row_median(values: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -53,9 +53,12 @@ from trainwatch.watchdog.detectors.base import (
     PhaseLearner,
     RankRing,
     StepTracker,
+    step_changes,
     TickView,
     grow,
+    in_phases,
     op_name,
+    phase_mask,
     phase_name,
     row_quantile,
 )
@@ -74,6 +77,7 @@ _CATEGORY_WORDS = {
     "other": "compute",
 }
 _QUIET_FRACTION = QUIET_FRACTION
+_WAIT, _SLOW = phase_mask(WAIT_CODES), phase_mask(SLOW_CODES)
 _MAX_LISTED = 32
 
 
@@ -105,10 +109,11 @@ class HangDetector(Detector):
         t = view.table
         cfg = self.config
         if len(t) == 0:
-            self._in_episode = False
+            self._in_episode = self.busy = False
             return []
         ranks = t["rank"]
-        advanced, restarted = self._steps.update(t)
+        changes = step_changes(view, self._steps)
+        advanced, restarted = changes.advanced, changes.restarted
         size = int(ranks.max()) + 1
         self._p99 = grow(self._p99, size, np.nan)
         self._p99_fresh = grow(self._p99_fresh, size, False)
@@ -121,7 +126,7 @@ class HangDetector(Detector):
         other = self.other.update(t, advanced, restarted, self._median_of)
         # The first step of a process includes start-up and compilation; kept,
         # it would make the threshold lenient for the next `history` steps.
-        usable = advanced & ~self._steps.first & np.isfinite(step_s) & (step_s > 0)
+        usable = advanced & ~changes.first & np.isfinite(step_s) & (step_s > 0)
         push = usable & ~other
         if push.any():
             self.steady.observe(self._step_s.counts(ranks[push]), step_s[push])
@@ -141,7 +146,12 @@ class HangDetector(Detector):
         hb_age = np.where(hb > 0, now - hb, np.nan)
         hb_stale = hb_age > cfg.heartbeat_stale_s
         quiet_io = self.steady.not_writing(t, hb_stale, cfg.active_io_bytes_s) if steady < cfg.floor_s else None
-        if not (age > min(cfg.floor_s, steady) * _QUIET_FRACTION).any():
+        # Busy while the job's steady threshold is still being learnt (it needs a step
+        # time of most steps), and from here on: a rank is past half its threshold, and
+        # the rounds that follow must time the rest of its stall closely.
+        near = bool((age > min(cfg.floor_s, steady) * _QUIET_FRACTION).any())
+        self.busy = near or (self.steady.enabled and not math.isfinite(steady))
+        if not near:
             self._in_episode = False
             return []
 
@@ -151,8 +161,8 @@ class HangDetector(Detector):
 
         phase = t["phase"]
         done = phase == _DONE
-        in_wait = np.isin(phase, WAIT_CODES)
-        in_slow = np.isin(phase, SLOW_CODES)
+        in_wait = in_phases(phase, _WAIT)
+        in_slow = in_phases(phase, _SLOW)
         started = t["step"] >= 1
         active = ~hb_stale & ((cpu_rate >= cfg.active_cpu) | (io_rate >= cfg.active_io_bytes_s))
         stuck = age > base

@@ -32,6 +32,7 @@ from trainwatch.watchdog.detectors.base import (
     Detector,
     RankRing,
     StepTracker,
+    step_changes,
     TickView,
     grow,
     robust_spread,
@@ -120,7 +121,8 @@ class LossHealthDetector(Detector):
         self._spiking = grow(self._spiking, size, False)
         self._explode = grow(self._explode, size, np.nan)
         self._exploding = grow(self._exploding, size, False)
-        advanced, restarted = self._steps.update(t)
+        changes = step_changes(view, self._steps)
+        advanced, restarted = changes.advanced, changes.restarted
         if restarted.any():
             gone = ranks[restarted]
             self._loss.reset(gone)
@@ -141,6 +143,13 @@ class LossHealthDetector(Detector):
 
         out = []
         bad = self._non_finite(view)
+        # Busy while a NaN grad waits for its source's loss, and while a rank that
+        # reports its loss has fewer than min_steps of it seen (a baseline is learnt
+        # from the steps the rounds see).
+        min_steps = self.config.min_steps
+        learning = ((self._loss.counts(ranks) < min_steps) & self._seen_loss[ranks]).any() or (
+            (self._grad.counts(ranks) < min_steps) & self._seen_grad[ranks]).any()
+        self.busy = self._grad_only_since is not None or bool(learning)
         if bad is not None:
             out.append(bad)
         spiking = self._spiking[ranks]

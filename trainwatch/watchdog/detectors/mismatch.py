@@ -41,7 +41,7 @@ import numpy as np
 
 from trainwatch import slots
 from trainwatch.watchdog.detectorconfig import CollectiveMismatchConfig
-from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, op_name
+from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, step_changes, grow, op_name
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
 _COLLECTIVE = slots.PHASE_CODES["collective"]
@@ -88,6 +88,7 @@ class CollectiveMismatchDetector(Detector):
         """The job's steady hang threshold as the hang detector holds it (wired by
         default_detectors; inf while the job is not steady)."""
         self._last_compared = 0
+        self._watching = False
         self._open: _Disagreement | None = None
         self._current: Incident | None = None
         # Last seen (pg, enqueued) per rank and group slot, and since when.
@@ -116,7 +117,7 @@ class CollectiveMismatchDetector(Detector):
         self._hb = grow(self._hb, size, 0.0)
         self._cpu = grow(self._cpu, size, np.nan)
         self._tracked = grow(self._tracked, size, -1)
-        _, restarted = self._steps.update(t)
+        restarted = step_changes(view, self._steps).restarted
         if restarted.any():
             self._open, self._current, self._last_compared = None, None, 0
         out = []
@@ -127,6 +128,8 @@ class CollectiveMismatchDetector(Detector):
         found = self._ras(view)
         if found is not None:
             out.append(found)
+        # A disagreement being confirmed, or parked ranks being watched settle.
+        self.busy = self._open is not None or self._current is not None or self._watching
         return out
 
     # ---- (a) exact end-of-step counts -------------------------------------------
@@ -251,6 +254,7 @@ class CollectiveMismatchDetector(Detector):
         track_s = min(cfg.settle_s, max(_TRACK_MIN_S, stall_s - cfg.settle_s))
         settle_s = min(cfg.settle_s, max(_SETTLE_MIN_S, stall_s - track_s))
         rows = np.nonzero(age >= track_s)[0]
+        self._watching = len(rows) > 0
         if len(rows) == 0:
             return None
         sub = t[rows]

@@ -46,22 +46,26 @@ class ProcessStateDetector(Detector):
         t = view.table
         if probe is None or not len(t):
             self._since.clear()
+            self.busy = False
             return []
         now = view.now
         seen: dict[tuple[int, str], float] = {}
         rows: dict[str, list[int]] = {s: [] for s in _FAULT_STATES}
         live = np.nonzero(t["phase"] != _DONE)[0]
         # Each process read once a tick, whatever number of slots name it.
-        pids, slot_of = np.unique(t["pid"][live], return_inverse=True)
-        for j, pid in enumerate(int(p) for p in pids):
+        slots_of: dict[int, list[int]] = {}
+        for row, pid in zip(live.tolist(), t["pid"][live].tolist()):
+            slots_of.setdefault(pid, []).append(row)
+        for pid, pid_rows in sorted(slots_of.items()):
             state = probe(pid)
             if state not in _FAULT_STATES:
                 continue
             key = (pid, state)
             seen[key] = self._since.get(key, now)
             if now - seen[key] >= self.config.confirm_s - 1e-9 and key not in self._reported:
-                rows[state].extend(int(r) for r in live[slot_of.reshape(-1) == j])
+                rows[state].extend(pid_rows)
         self._since = seen
+        self.busy = bool(seen)  # a state to confirm, or one reported and still there
         self._reported &= set(seen)  # a pid that left the state may enter it again
         out = []
         if rows["stopped"]:

@@ -43,7 +43,7 @@ import numpy as np
 
 from trainwatch import slots
 from trainwatch.watchdog.detectorconfig import StepTimeConfig
-from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, row_median
+from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, step_changes, grow, row_median
 from trainwatch.watchdog.detectors.work import OtherWork
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
@@ -112,7 +112,8 @@ class StepTimeDetector(Detector):
         self._med = grow(self._med, size, np.nan)
         self._pushes = grow(self._pushes, size, 0)
         self._seen = grow(self._seen, size, 0.0)
-        advanced, restarted = self._steps.update(t)
+        changes = step_changes(view, self._steps)
+        advanced, restarted = changes.advanced, changes.restarted
         if restarted.any():
             gone = ranks[restarted]
             self._ring[gone] = np.nan
@@ -131,6 +132,8 @@ class StepTimeDetector(Detector):
             self._seen[ranks[rows]] = 0.0
         self._watch_phases(view)
         self._settle(view.now)
+        learning = ((self._count[ranks] < self.config.min_samples) & np.isfinite(t["step_s"])).any()
+        self.busy = bool(self._pending) or self._episode is not None or self._stall is not None or bool(learning)
         return [inc for inc in (self._culprit_incident(view), self._stall_incident(view)) if inc is not None]
 
     def _watch_phases(self, view: TickView) -> None:
@@ -310,7 +313,7 @@ def _with_other(total: np.ndarray, phases: np.ndarray) -> np.ndarray:
     """Columns data, backward, optimizer, other (the step's time outside the three; NaN where unknown)."""
     with np.errstate(invalid="ignore"):
         known = np.where(np.isfinite(phases) & (phases >= 0), phases, np.nan)
-        other = np.maximum(total - np.nan_to_num(known, nan=0.0).sum(axis=1), 0.0)
+        other = np.maximum(total - np.where(np.isnan(known), 0.0, known).sum(axis=1), 0.0)
     other = np.where(np.isfinite(total) & np.isfinite(known).any(axis=1), other, np.nan)
     return np.column_stack([known, other])
 

@@ -71,7 +71,8 @@ import numpy as np
 
 from trainwatch.watchdog.detectorconfig import StragglerConfig
 from trainwatch.watchdog.detectors.arrival import ArrivalEvaluator
-from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow, row_median
+from trainwatch.watchdog.detectors.base import (Detector, StepTracker, TickView, grow, median, row_median,
+                                                 step_changes)
 from trainwatch.watchdog.detectors.peers import JITTER_SAMPLE as _JITTER_SAMPLE
 from trainwatch.watchdog.detectors.peers import MAD_TO_SIGMA as _MAD_TO_SIGMA
 from trainwatch.watchdog.detectors.peers import StepTable, peer_median
@@ -116,7 +117,8 @@ class StragglerDetector(Detector):
         size = int(ranks.max()) + 1
         self._streak = grow(self._streak, size, 0)
         self._since = grow(self._since, size, 0.0)
-        advanced, restarted = self._steps.update(t)
+        changes = step_changes(view, self._steps)
+        advanced, restarted = changes.advanced, changes.restarted
         if restarted.any():
             self._compute.reset(ranks[restarted])
             self._streak[ranks[restarted]] = 0
@@ -137,7 +139,22 @@ class StragglerDetector(Detector):
             self._current = self._evaluate(view, top)
         out = self._prefer(arrival, self._current)
         self._compute_shown = any(inc is self._current for inc in out)
+        # A slow rank building its streak: its persistence is timed on these rounds.
+        self.busy = bool(self._streak.any()) or (self._arrival is not None and self._arrival.streaking())
         return out
+
+    def sample(self, view: TickView) -> None:
+        """Each rank's compute time of its current step (the window needs most steps of
+        a fast job, and a quiet round comes only every few ticks; keyed by step, so the
+        round that reads the same step again writes the same value), and the arrivals
+        published since the last read (their ring wraps)."""
+        t = view.table
+        compute = t["compute_s"]
+        ok = (t["step"] >= 1) & np.isfinite(compute) & (compute >= 0)
+        if ok.any():
+            self._compute.put(t["rank"][ok], t["step"][ok].astype(np.int64), compute[ok])
+        if self._arrival is not None:
+            self._arrival.sample(view)
 
     def _prefer(self, arrival: Incident | None, compute: Incident | None) -> list[Incident]:
         """Arrival order overrules compute time for the ranks it judged: a compute
@@ -188,10 +205,10 @@ class StragglerDetector(Detector):
         sample = rows[::every]
         spread = row_median(np.abs(excess[sample] - exc[::every, None]), counts[sample])
         level = peers[sample][np.isfinite(peers[sample])]
-        if not np.isfinite(ratio).any() or float(np.median(level)) <= 0:
+        if not np.isfinite(ratio).any() or median(level) <= 0:
             self._clear(ranks)
             return None
-        mad = max(float(np.median(spread)), _MAD_FLOOR * float(np.median(level)))
+        mad = max(median(spread), _MAD_FLOOR * median(level))
         z = _MAD_TO_SIGMA * exc / mad
         slow = (ratio >= cfg.ratio) & (z >= cfg.z) & (exc >= cfg.min_excess_s)
         r = ranks[rows]
@@ -212,7 +229,7 @@ class StragglerDetector(Detector):
         c_med = row_median(np.where(paired, compute[culprit_rows], np.nan), counts[culprit_rows])
         c_ref = row_median(peers[culprit_rows], counts[culprit_rows])
         wait = t["step_s"] - t["compute_s"]
-        waiting = np.isfinite(wait) & (wait >= 0.5 * float(np.median(c_exc)))
+        waiting = np.isfinite(wait) & (wait >= 0.5 * median(c_exc))
         waiting[culprit_rows] = False
         culprits = ranks[culprit_rows].tolist()
         victims = ranks[np.nonzero(waiting)[0]].tolist()

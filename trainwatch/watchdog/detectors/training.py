@@ -33,7 +33,7 @@ from typing import ClassVar
 import numpy as np
 
 from trainwatch.watchdog.detectorconfig import TrainingHealthConfig
-from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, grow
+from trainwatch.watchdog.detectors.base import Detector, StepTracker, TickView, step_changes, grow
 from trainwatch.watchdog.detectors.loss import _worst
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
@@ -107,7 +107,8 @@ class TrainingHealthDetector(Detector):
             return []
         ranks = t["rank"]
         self._grow(int(ranks.max()) + 1)
-        advanced, restarted = self._steps.update(t)
+        changes = step_changes(view, self._steps)
+        advanced, restarted = changes.advanced, changes.restarted
         if restarted.any():
             self._reset(ranks[restarted])
         if advanced.any():

@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from trainwatch.watchdog.detectorconfig import LossTrendConfig
-from trainwatch.watchdog.detectors.base import Detector, RankRing, StepTracker, TickView, grow, row_median
+from trainwatch.watchdog.detectors.base import Detector, RankRing, StepTracker, TickView, step_changes, grow, row_median
 from trainwatch.watchdog.detectors.loss import judged, loss_watched
 from trainwatch.watchdog.incident import Incident, describe_ranks
 
@@ -161,7 +161,8 @@ class LossTrendDetector(Detector):
         self._rising = grow(self._rising, size, False)
         self._plateau = grow(self._plateau, size, False)
         self._live = ranks.copy()
-        advanced, restarted = self._steps.update(t)
+        changes = step_changes(view, self._steps)
+        advanced, restarted = changes.advanced, changes.restarted
         if restarted.any():
             gone = ranks[restarted]
             for s in self._series:

@@ -11,9 +11,10 @@ from typing import Callable
 import numpy as np
 
 from trainwatch import slots
-from trainwatch.watchdog.detectors.base import grow
+from trainwatch.watchdog.detectors.base import grow, in_phases, phase_mask
 
 OTHER_WORK_CODES = np.array(sorted(slots.PHASE_CODES[p] for p in ("checkpoint", "eval")), dtype=np.int32)
+_OTHER_WORK = phase_mask(OTHER_WORK_CODES)
 FORWARD_ONLY = -1
 """OtherWork.kind of a step whose other work was forward-only progress (a no_grad rollout, an evaluation
 without an eval phase marker)."""
@@ -81,7 +82,7 @@ class OtherWork:
             usual = np.nan_to_num(typical(ranks[rows]), nan=0.0)
             later[rows] &= active[rows] - start[rows] > np.maximum(self.late_s, self.late_factor * usual)
         ended_late = later & advanced & (active <= progress)
-        in_other = np.isin(table["phase"], OTHER_WORK_CODES)
+        in_other = in_phases(table["phase"], _OTHER_WORK)
         flag = self._flag[ranks]
         code = self._code[ranks]
         done = advanced & (flag | ended_late)
