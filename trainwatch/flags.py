@@ -14,6 +14,8 @@ import ast
 import dataclasses
 import inspect
 import math
+import os
+import stat
 import textwrap
 import typing
 from dataclasses import dataclass
@@ -297,11 +299,7 @@ def read_toml(path: str) -> dict:
             import tomli as tomllib  # type: ignore[no-redef]
         except ModuleNotFoundError:
             raise ValueError(f"{path}: reading a TOML config file on Python 3.10 needs `pip install tomli`") from None
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    data = _read_config_bytes(path)
     try:
         return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -311,6 +309,43 @@ def read_toml(path: str) -> dict:
     except tomllib.TOMLDecodeError as e:
         reason = " ".join(str(e).split())
         raise ValueError(f"{path}: not valid TOML ({reason})") from None
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read: a full one (`--print-config`) is ~10 KiB."""
+_NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _read_config_bytes(path: str) -> bytes:
+    """At most MAX_CONFIG_BYTES of a regular file: a FIFO, a device or a
+    directory is named as such before anything is read from it, so that
+    /dev/zero or a pipe nobody writes to never fills memory or blocks."""
+    try:
+        # O_NONBLOCK: opening a FIFO that has no writer would wait forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        what = next((name for test, name in _NOT_FILES if test(mode)), None if stat.S_ISREG(mode) else "not a file")
+        if what is not None:
+            raise ValueError(f"{path}: is {what}, not a config file; give a regular TOML file")
+        chunks, size = [], 0
+        while size <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, min(1 << 16, MAX_CONFIG_BYTES + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: over {MAX_CONFIG_BYTES >> 20} MiB, too large for a config file; "
+                         "give the TOML file `trainwatch launch --print-config` writes")
+    return b"".join(chunks)
 
 
 def to_toml(tables: dict, comments: dict[str, str] | None = None) -> str:
