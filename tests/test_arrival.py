@@ -595,11 +595,14 @@ def test_ranks_without_arrivals_are_still_judged_on_compute_time():
 
 
 def test_straggler_config_validates_the_arrival_fields():
+    from trainwatch.watchdog.config import SidecarConfig, launch_flags
+    from trainwatch.watchdog.detectorconfig import DetectorsConfig
+
+    # The ranges are one table checked on the whole config (watchdog.config.RANGES).
     with pytest.raises(ValueError, match="arrival-last-fraction"):
-        StragglerConfig(arrival_last_fraction=1.5)
+        SidecarConfig(detectors=DetectorsConfig(straggler=StragglerConfig(arrival_last_fraction=1.5)))
     with pytest.raises(ValueError, match="arrival-window"):
-        StragglerConfig(arrival_window=0)
-    from trainwatch.watchdog.config import launch_flags
+        SidecarConfig(detectors=DetectorsConfig(straggler=StragglerConfig(arrival_window=0)))
 
     options = {f.option: f for f in launch_flags()}
     for flag in ("--straggler-arrival-min-lateness-s", "--straggler-arrival-last-fraction",

@@ -119,7 +119,7 @@ def test_print_config_round_trips(config_file, tmp_path):
     ("[watchdog.detectors.hang]\nflor_s = 2\n", "unknown key 'watchdog.detectors.hang.flor_s'"),
     ("[cluster]\nx = 1\n", "unknown table 'cluster'"),
     ("[watchdog.detectors.hang]\nfloor_s = 'soon'\n", "watchdog.detectors.hang.floor_s: --hang-floor-s must be"),
-    ("[watchdog.detectors.hang]\nfloor_s = -1\n", "--hang-floor-s must be a finite number >= 0"),
+    ("[watchdog.detectors.hang]\nfloor_s = -1\n", "--hang-floor-s must be a finite number > 0"),
     ("[watchdog.actions]\nrestart = 'no'\n", "must be true or false"),
     ("[launch]\nmax_restarts = 2.5\n", "launch.max_restarts: must be an integer"),
     ("[launch]\nmetrics_port = 70000\n", "--metrics-port must be 0..65535"),

@@ -133,7 +133,7 @@ def test_the_sidecar_loop_samples_about_once_a_second(tmp_path, monkeypatch):
     from trainwatch.watchdog.config import SidecarConfig
 
     sc = Sidecar("sc", seg, node="node/0", clock=clock, detectors=[], out=__import__("io").StringIO(),
-                 config=SidecarConfig(tick_s=0.001))
+                 config=SidecarConfig(tick_s=0.01))
     stop = threading.Event()
     rounds = []
     real_tick = sc.tick

@@ -11,7 +11,9 @@ what is accepted:
   raises `CodecError` naming the field with `strict=True`;
 - an optional field of the wrong type takes its default;
 - items of the wrong type in a list (or a typed dict) are dropped (a culprit
-  list `[1, "x", 2]` reads `[1, 2]`); strings are cut to their `max_len`;
+  list `[1, "x", 2]` reads `[1, 2]`); text is cut to its `max_len` with a
+  visible note ("… (cut, N chars)"), when written and when read (every
+  string inside a free-form field such as an incident's evidence too);
 - keys the class does not declare are ignored (a newer writer's additions).
 
 Numbers: `bool` is never an `int` here (JSON's true is not rank 1), floats must
@@ -48,7 +50,7 @@ class Check:
     min: float | None = None
     """Smallest number accepted (numbers)."""
     max_len: int | None = None
-    """Longest string kept; longer ones are cut (strings)."""
+    """Longest text kept; longer is cut with a note (strings, and every string inside a list, dict or Any)."""
     one_of: tuple | None = None
     """The only values accepted (strings)."""
 
@@ -77,6 +79,45 @@ def finite_number(value: Any) -> float | None:
 _PLAIN = frozenset({str, int, float, bool, type(None)})
 
 
+def cut(text: str, max_len: int) -> str:
+    """text, or as much of it as fits in max_len characters with a note saying it was cut."""
+    if len(text) <= max_len:
+        return text
+    note = f"… (cut, {len(text)} chars)"
+    if len(note) * 2 > max_len:
+        return text[:max_len]  # a short code or name: no room for the note
+    return text[:max_len - len(note)] + note
+
+
+def bound_text(value: Any, max_len: int) -> Any:
+    """A JSON value with every string in it (object keys too) cut to max_len."""
+    if isinstance(value, str):
+        return cut(value, max_len)
+    if isinstance(value, list):
+        return [bound_text(v, max_len) for v in value]
+    if isinstance(value, dict):
+        return {cut(str(k), max_len): bound_text(v, max_len) for k, v in value.items()}
+    return value
+
+
+@functools.cache
+def _text_bounds(cls: type) -> dict[str, int]:
+    """A record's fields that declare a max_len, and it."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        bounds = f.metadata.get("codec")
+        if bounds is not None and bounds.max_len is not None:
+            out[f.name] = bounds.max_len
+    return out
+
+
+def encode_field(record: Any, name: str) -> Any:
+    """One field of a record as plain JSON values, its text cut to the field's max_len."""
+    value = encode(getattr(record, name))
+    limit = _text_bounds(type(record)).get(name)
+    return value if limit is None else bound_text(value, limit)
+
+
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...] | None:
     """A dataclass's field names (None for other classes), looked up once per class."""
@@ -94,6 +135,8 @@ def encode(value: Any) -> Any:
         for name in names:  # plain values inline: a 4096-rank snapshot encodes ~90k fields
             v = getattr(value, name)
             out[name] = v if type(v) in _PLAIN else encode(v)
+        for name, limit in _text_bounds(cls).items():
+            out[name] = bound_text(out[name], limit)
         return out
     if isinstance(value, enum.Enum):
         return encode(value.value)
@@ -160,7 +203,7 @@ def _record(cls: type[T], data: Any) -> T:
 def _value(annotation: Any, raw: Any, bounds: Check) -> Any:
     origin = typing.get_origin(annotation)
     if annotation is Any:
-        return raw
+        return raw if bounds.max_len is None else bound_text(raw, bounds.max_len)
     if origin is typing.Union or origin is types.UnionType:
         options = typing.get_args(annotation)
         if raw is None:
@@ -180,7 +223,8 @@ def _value(annotation: Any, raw: Any, bounds: Check) -> Any:
         if not isinstance(raw, dict):
             return _DROP
         key_t, value_t = typing.get_args(annotation) or (Any, Any)
-        kept = ((_value(key_t, k, Check()), _value(value_t, v, bounds)) for k, v in raw.items())
+        key_bounds = Check(max_len=bounds.max_len)
+        kept = ((_value(key_t, k, key_bounds), _value(value_t, v, bounds)) for k, v in raw.items())
         return {k: v for k, v in kept if k is not _DROP and v is not _DROP}
     if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
         try:
@@ -206,7 +250,7 @@ def _value(annotation: Any, raw: Any, bounds: Check) -> Any:
     if annotation is str:
         if not isinstance(raw, str) or (bounds.one_of is not None and raw not in bounds.one_of):
             return _DROP
-        return raw[:bounds.max_len] if bounds.max_len is not None else raw
+        return cut(raw, bounds.max_len) if bounds.max_len is not None else raw
     return _DROP
 
 

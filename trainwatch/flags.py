@@ -14,10 +14,12 @@ import ast
 import dataclasses
 import inspect
 import math
+import os
+import stat
 import textwrap
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -50,6 +52,55 @@ def flag(name: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Range:
+    """Where a numeric setting's value may lie: from `low` to `high`, each end
+    included unless open. Every numeric setting is finite."""
+
+    low: float = 0.0
+    high: float = math.inf
+    low_open: bool = False
+    """True: the value must be above `low` (a period of 0 would be a busy loop)."""
+    high_open: bool = False
+
+    def holds(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        low = f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.high == math.inf:
+            return low
+        return f"{low} and {'<' if self.high_open else '<='} {self.high:g}"
+
+    def problem(self, option: str, kind: type, raw: Any) -> str:
+        """The one line saying what `option` takes."""
+        return f"{option} must be {'an integer' if kind is int else 'a finite number'} {self}; got {raw!r}"
+
+
+NON_NEGATIVE = Range()
+"""A setting's range unless its config declares another."""
+
+
+def check_ranges(config: Any, ranges: dict[str, Range], option: Callable[[str], str]) -> None:
+    """ValueError naming the flag (`option(dotted path)`) of the first setting
+    of `config` outside its range in `ranges` (dotted path -> Range)."""
+    for dotted, rng in ranges.items():
+        value: Any = config
+        for name in dotted.split("."):
+            value = getattr(value, name)
+        kind = int if is_int(value) else float
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not rng.holds(value):
+            raise ValueError(rng.problem(option(dotted), kind, value))
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
 class Flag:
     """One generated flag: where its value goes in the config, how it is spelled."""
 
@@ -61,17 +112,21 @@ class Flag:
     """bool, int, float, str, or tuple (a comma-separated list of names)."""
     default: Any
     help: str
+    range: Range | None = None
+    """Where a number may lie; None: NON_NEGATIVE."""
 
     @property
     def dest(self) -> str:
         return "cfg__" + "__".join(self.path)
 
 
-def config_flags(cls: type, prefixes: dict[tuple[str, ...], str], *, path: tuple[str, ...] = ()) -> list[Flag]:
+def config_flags(cls: type, prefixes: dict[tuple[str, ...], str], *, path: tuple[str, ...] = (),
+                 ranges: dict[str, Range] | None = None) -> list[Flag]:
     """Flags for every field of `cls`, recursing into nested config dataclasses.
-    `prefixes` maps a section's path to its flag prefix ('hang-'); fields with
-    metadata {"flag": False} are left out. A boolean that defaults to True is
-    spelled --no-<name>."""
+    `prefixes` maps a section's path to its flag prefix ('hang-'); `ranges` a
+    numeric field's dotted path to its Range; fields with metadata {"flag":
+    False} are left out. A boolean that defaults to True is spelled --no-<name>."""
+    ranges = ranges or {}
     out: list[Flag] = []
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
@@ -83,7 +138,7 @@ def config_flags(cls: type, prefixes: dict[tuple[str, ...], str], *, path: tuple
         kind = _kind(hints[f.name])
         default = getattr(instance, f.name)
         if dataclasses.is_dataclass(kind):
-            out += config_flags(kind, prefixes, path=sub)
+            out += config_flags(kind, prefixes, path=sub, ranges=ranges)
             continue
         prefix = prefixes.get(path, "")
         name = flag(prefix + f.name)
@@ -97,7 +152,7 @@ def config_flags(cls: type, prefixes: dict[tuple[str, ...], str], *, path: tuple
         if kind is not bool:
             shown = ",".join(sorted(default)) if kind is tuple else default
             help_text += f" (default: {shown})"
-        out.append(Flag(sub, "--" + name, kind, default, help_text))
+        out.append(Flag(sub, "--" + name, kind, default, help_text, ranges.get(".".join(sub))))
     return out
 
 
@@ -173,8 +228,9 @@ def _parse(f: Flag, raw: Any) -> Any:
         value = f.kind(raw)
     except (TypeError, ValueError):
         raise ValueError(f"{f.option} must be {'an integer' if f.kind is int else 'a number'}; got {raw!r}") from None
-    if isinstance(value, (int, float)) and (not math.isfinite(value) or value < 0):
-        raise ValueError(f"{f.option} must be a finite number >= 0; got {raw!r}")
+    rng = f.range or NON_NEGATIVE
+    if isinstance(value, (int, float)) and not rng.holds(value):
+        raise ValueError(rng.problem(f.option, f.kind, raw))
     return value
 
 
@@ -243,11 +299,7 @@ def read_toml(path: str) -> dict:
             import tomli as tomllib  # type: ignore[no-redef]
         except ModuleNotFoundError:
             raise ValueError(f"{path}: reading a TOML config file on Python 3.10 needs `pip install tomli`") from None
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    data = _read_config_bytes(path)
     try:
         return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -257,6 +309,43 @@ def read_toml(path: str) -> dict:
     except tomllib.TOMLDecodeError as e:
         reason = " ".join(str(e).split())
         raise ValueError(f"{path}: not valid TOML ({reason})") from None
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read: a full one (`--print-config`) is ~10 KiB."""
+_NOT_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _read_config_bytes(path: str) -> bytes:
+    """At most MAX_CONFIG_BYTES of a regular file: a FIFO, a device or a
+    directory is named as such before anything is read from it, so that
+    /dev/zero or a pipe nobody writes to never fills memory or blocks."""
+    try:
+        # O_NONBLOCK: opening a FIFO that has no writer would wait forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        what = next((name for test, name in _NOT_FILES if test(mode)), None if stat.S_ISREG(mode) else "not a file")
+        if what is not None:
+            raise ValueError(f"{path}: is {what}, not a config file; give a regular TOML file")
+        chunks, size = [], 0
+        while size <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, min(1 << 16, MAX_CONFIG_BYTES + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: over {MAX_CONFIG_BYTES >> 20} MiB, too large for a config file; "
+                         "give the TOML file `trainwatch launch --print-config` writes")
+    return b"".join(chunks)
 
 
 def to_toml(tables: dict, comments: dict[str, str] | None = None) -> str:

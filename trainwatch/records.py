@@ -119,6 +119,15 @@ ZYGOTE_MESSAGES = {"ready": ZygoteReady, "fork": ZygoteFork, "forked": ZygoteFor
 
 # ---- incidents (events.jsonl, the job store) ----------------------------------------------
 
+SUMMARY_CHARS = 2000
+"""Longest summary written or read: a readable sentence is far shorter, and a
+reader (`diagnose`, the console, the report) prints what it is given."""
+TEXT_CHARS = 1000
+"""Longest other free text (a reason, an error, a stack frame, a string of the evidence)."""
+NAME_CHARS = 200
+"""Longest name or id (a kind, a runbook, a category, a node)."""
+_SUMMARY, _TEXT, _NAME = (codec.check(max_len=n) for n in (SUMMARY_CHARS, TEXT_CHARS, NAME_CHARS))
+
 SEVERITIES = ("info", "low", "medium", "high", "critical")
 """Allowed severities, least to most urgent."""
 
@@ -133,12 +142,12 @@ class Verdict:
     """What is wrong and who did it: `diagnose`'s answer, and the responder's
     capture of an incident (its `verdict` action)."""
 
-    category: str
+    category: str = field(metadata=_NAME)
     culprit_ranks: list[int] = field(default_factory=list, metadata=codec.check(min=0))
-    summary: str = ""
-    runbook: str = ""
+    summary: str = field(default="", metadata=_SUMMARY)
+    runbook: str = field(default="", metadata=_NAME)
     confidence: float = 0.5
-    evidence: list[str] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list, metadata=_TEXT)
 
     def to_json(self) -> dict:
         return codec.encode(self)
@@ -183,7 +192,7 @@ class RestartDecision:
     """Whether the incident asked for a restart of the worker group, and why not."""
 
     requested: bool = False
-    why: str | None = None
+    why: str | None = field(default=None, metadata=_TEXT)
 
 
 @dataclasses.dataclass(slots=True)
@@ -191,19 +200,19 @@ class StackGroupSummary:
     """One group of ranks whose stacks agree, as the responder recorded it."""
 
     ranks: list[int] = field(default_factory=list, metadata=codec.check(min=0))
-    category: str | None = None
-    pattern: str | None = None
-    frames: list[str] = field(default_factory=list)
+    category: str | None = field(default=None, metadata=_NAME)
+    pattern: str | None = field(default=None, metadata=_NAME)
+    frames: list[str] = field(default_factory=list, metadata=_TEXT)
 
 
 @dataclasses.dataclass(slots=True)
 class CaptureResult:
     """The responder's stack capture: where the dumps went, how long it took."""
 
-    dir: str = ""
+    dir: str = field(default="", metadata=codec.check(max_len=4096))
     seconds: float | None = None
     ranks: int = 0
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict, metadata=_TEXT)
     """Rank (as a string) -> why it was not sampled."""
 
 
@@ -215,10 +224,10 @@ class CheckpointResult:
     no_state: list[int] = field(default_factory=list)
     written: dict[str, int] = field(default_factory=dict)
     """Rank (as a string) -> the step it wrote."""
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict, metadata=_TEXT)
     step: int | None = None
     seconds: float | None = None
-    skipped: str | None = None
+    skipped: str | None = field(default=None, metadata=_TEXT)
 
 
 @dataclasses.dataclass(slots=True)
@@ -230,7 +239,7 @@ class InProcessResult:
     ranks: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
     seconds: float | None = None
-    skipped: str | None = None
+    skipped: str | None = field(default=None, metadata=_TEXT)
 
 
 @dataclasses.dataclass(slots=True)
@@ -254,7 +263,7 @@ class Resolution:
     duration_s: float | None = field(default=None, metadata=codec.check(min=0))
     count: int | None = field(default=None, metadata=codec.check(min=1))
     """Ticks it was reported in while open."""
-    reason: str | None = None
+    reason: str | None = field(default=None, metadata=_TEXT)
 
 
 _LINE = ("kind", "culprit_ranks", "victims", "summary", "severity", "runbook", "category", "key")
@@ -269,7 +278,7 @@ class Incident:
     """One detected fault, from the detector that found it through events.jsonl
     to every reader. Times are CLOCK_MONOTONIC seconds unless named otherwise."""
 
-    kind: str
+    kind: str = field(metadata=_NAME)
     """What happened: hang, collective_mismatch, straggler, crash, loss_nan, ...
     (trainwatch.kinds); `restart`: a worker group restarted for another incident
     trains again."""
@@ -277,33 +286,33 @@ class Incident:
     """Global ranks that caused it; empty when no single rank can be blamed."""
     victims: list[int] = field(default_factory=list, metadata=codec.check(min=0))
     """Global ranks affected only because of the culprits (e.g. waiting on them)."""
-    summary: str = ""
+    summary: str = field(default="", metadata=_SUMMARY)
     """One readable sentence for consoles and logs."""
     severity: str = field(default="", metadata=codec.check(one_of=SEVERITIES))
     """One of SEVERITIES; empty: the kind's declared severity (kinds.KINDS), medium for another kind."""
-    runbook: str | None = None
+    runbook: str | None = field(default=None, metadata=_NAME)
     """Runbook id to follow (e.g. 'hang', 'collective-mismatch'); None: the kind's declared runbook."""
-    category: str | None = None
+    category: str | None = field(default=None, metadata=_NAME)
     """Best stack/error category guess (DESIGN.md lists), None if unknown."""
-    evidence: dict = field(default_factory=dict)
+    evidence: dict = field(default_factory=dict, metadata=_TEXT)
     """Facts behind the verdict (steps, seq numbers, durations, ratios)."""
-    key: str = ""
+    key: str = field(default="", metadata=codec.check(max_len=1 << 16))
     """De-duplication key; default: kind plus sorted culprit ranks."""
     detected_mono: float = 0.0
     """Monotonic time of the tick that found it (on the clock of the node that found it)."""
     time: str = field(default="", metadata=codec.check(max_len=64))
     """Wall-clock ISO time it was recorded ('' until then)."""
-    id: str | None = None
+    id: str | None = field(default=None, metadata=_NAME)
     """Its id, given by the sidecar (or the aggregator) that recorded it."""
     opened_time: float | None = None
     """Wall-clock Unix time it was recorded."""
-    node: str | None = None
-    job: str | None = None
-    scope: str | None = None
+    node: str | None = field(default=None, metadata=_NAME)
+    job: str | None = field(default=None, metadata=_NAME)
+    scope: str | None = field(default=None, metadata=_NAME)
     """'job': raised by the job-wide aggregator for every node."""
-    nodes: list[str] | None = None
+    nodes: list[str] | None = field(default=None, metadata=_NAME)
     """A job incident's nodes (those of its culprits)."""
-    incident: str | None = None
+    incident: str | None = field(default=None, metadata=_NAME)
     """A `restart` record: the id of the incident whose restart it ends."""
     restart: RestartDecision | None = None
     """Whether it asked for a restart (a later action may say it did not)."""
@@ -354,11 +363,12 @@ class Incident:
         return self._line()
 
     def _line(self) -> dict:
-        out = ({"time": self.time} if self.time else {}) | {name: codec.encode(getattr(self, name)) for name in _LINE}
-        out |= {name: codec.encode(v) for name in _SET if (v := getattr(self, name)) is not None}
+        out = ({"time": self.time} if self.time else {}) | {name: codec.encode_field(self, name) for name in _LINE}
+        out |= {name: codec.encode_field(self, name) for name in _SET if getattr(self, name) is not None}
         if self.restart is not None and self.restart.why is None:
             out["restart"] = {"requested": self.restart.requested}
-        return out | {"evidence": jsonable(self.evidence), "detected_mono": round(float(self.detected_mono), 6)}
+        evidence = codec.bound_text(jsonable(self.evidence), TEXT_CHARS)
+        return out | {"evidence": evidence, "detected_mono": round(float(self.detected_mono), 6)}
 
     def view(self) -> dict:
         """As `diagnose --json` lists it: the line with its actions' results,
@@ -392,8 +402,8 @@ class Incident:
 class _Tag:
     """What tells the records of events.jsonl apart."""
 
-    kind: str
-    incident: str | None = None
+    kind: str = field(metadata=_NAME)
+    incident: str | None = field(default=None, metadata=_NAME)
     """An `action` or `resolved` record: the id of the incident it is about."""
 
 

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -172,30 +173,53 @@ def nested_too_deep(value: Any, limit: int = MAX_NESTING) -> bool:
     return False
 
 
-def read_json(path: Path) -> dict | None:
-    """A JSON object from path; None when missing, unreadable, not JSON, not an object or nested absurdly deep."""
+MAX_JSON_BYTES = 64 << 20
+"""Largest JSON file read (a 4096-rank telemetry snapshot is a few MiB); a larger one is unreadable."""
+MAX_LINE_BYTES = 1 << 20
+"""Longest .jsonl line read (an incident line of thousands of ranks is tens of KiB); a longer one is skipped
+while read, never held whole."""
+JOB_TEXT_CHARS = 4096
+"""Longest string of job.json (a path, the script and its arguments), written and read."""
+
+
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> dict | None:
+    """A JSON object from path; None when missing, unreadable, larger than max_bytes, not a regular file,
+    not JSON, not an object or nested absurdly deep."""
     try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO in its place must not block the reader
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            raw = f.read(max_bytes + 1)
+        if len(raw) > max_bytes:
+            return None
+        data = json.loads(raw)
     except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) and not nested_too_deep(data) else None
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a .jsonl file; torn, garbled, non-object and absurdly deep lines skipped."""
-    try:
-        raw = Path(path).read_bytes()
-    except OSError:
-        return []
+def read_jsonl(path: Path, max_line: int = MAX_LINE_BYTES) -> list[dict]:
+    """The JSON objects of a .jsonl file; torn, garbled, non-object, absurdly deep and over-long lines skipped."""
     out = []
-    for line in raw.splitlines():
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            continue  # a torn last line from a crash is skipped, not fatal
-        if isinstance(record, dict) and not nested_too_deep(record):
-            out.append(record)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return []
+            while line := f.readline(max_line + 1):
+                if len(line) > max_line and not line.endswith(b"\n"):
+                    while (rest := f.readline(1 << 16)) and not rest.endswith(b"\n"):
+                        pass  # the rest of an over-long line, read in pieces and dropped
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue  # a torn last line from a crash is skipped, not fatal
+                if isinstance(record, dict) and not nested_too_deep(record):
+                    out.append(record)
+    except OSError:
+        return out
     return out
 
 
@@ -284,12 +308,14 @@ class JobDir:
 
     # job.json (written by the launcher only)
     def read_job(self) -> dict | None:
-        return read_json(self.job_file)
+        """job.json, its strings cut to JOB_TEXT_CHARS; None when it is not one."""
+        data = read_json(self.job_file)
+        return None if data is None else codec.bound_text(data, JOB_TEXT_CHARS)
 
     def update_job(self, **fields: Any) -> dict:
-        """Merge fields into job.json."""
+        """Merge fields into job.json (their strings cut to JOB_TEXT_CHARS)."""
         record = self.read_job() or {"job": self.job}
-        record.update(codec.encode(fields))  # a JobStatus as its value
+        record.update(codec.bound_text(codec.encode(fields), JOB_TEXT_CHARS))  # a JobStatus as its value
         write_json_atomic(self.job_file, record)
         return record
 

@@ -34,7 +34,8 @@ def printable(text: str, *, newlines: bool = True) -> str:
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    """The one `error:` line (its text escaped: it may quote a path or an argument) and the exit code."""
+    print(f"error: {printable(message, newlines=False)}", file=sys.stderr, flush=True)
     return code
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from trainwatch import env, netbind, procctl, state
 from trainwatch.launcher import prescan
 from trainwatch.launcher.options import LaunchError
+from trainwatch.usage import printable
 
 
 class StartUp:
@@ -55,7 +56,7 @@ def store_sidecar_args(job_dir: state.JobDir, store: str, namespace: str, *, agg
 def warn_exposure(**listeners) -> None:
     """One line per listener of the job beyond loopback (netbind.exposure_warnings)."""
     for line in netbind.exposure_warnings(**listeners):
-        print(f"[trainwatch] {line}", flush=True)
+        print(printable(f"[trainwatch] {line}", newlines=False), flush=True)
 
 
 def sweep_run(run_id: str) -> list[int]:

@@ -263,8 +263,14 @@ def _record_start(run: _Run, marker: state.JobDir, nslots: int, segment_path: st
         metrics=None,
     )
     marker.withdraw_launch()
-    print(f"[trainwatch] job {run.config.job}: {entry} on {nslots} local rank(s); state in {run.job_dir.path}",
-          flush=True)
+    print(start_line(run.config.job, entry, nslots, run.job_dir.path), flush=True)
+
+
+def start_line(job: str, entry: str, nslots: int, state_dir: object) -> str:
+    """The console's line for a starting job. The script's path and arguments
+    are the user's text: escaped like every other console line, on one line."""
+    return printable(f"[trainwatch] job {job}: {entry} on {nslots} local rank(s); state in {state_dir}",
+                     newlines=False)
 
 
 def _rendezvous(run: _Run, launch_config, store_bind: str | None) -> tuple:

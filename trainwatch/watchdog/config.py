@@ -84,10 +84,6 @@ class ActionPolicy:
         if self.min_severity_restart not in SEVERITIES:
             raise ValueError(f"--min-severity-restart must be one of {', '.join(SEVERITIES)}; "
                              f"got {self.min_severity_restart!r}")
-        if not self.in_process_timeout_s > 0:
-            raise ValueError(f"--in-process-timeout-s must be > 0; got {self.in_process_timeout_s}")
-        if not self.emergency_timeout_s > 0:
-            raise ValueError(f"--emergency-timeout-s must be > 0; got {self.emergency_timeout_s}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -126,6 +122,7 @@ class SidecarConfig:
         if self.metrics_detail not in METRICS_DETAILS:
             raise ValueError(f"--metrics-detail must be one of {', '.join(METRICS_DETAILS)}; "
                              f"got {self.metrics_detail!r}")
+        flags.check_ranges(self, RANGES, _option)
 
     def to_json(self) -> dict:
         return flags.to_json(self)
@@ -151,6 +148,61 @@ class SidecarConfig:
             raise ValueError(f"{path}: not a trainwatch sidecar config ({reason})") from None
 
 
+_R = flags.Range
+_ANY, _POSITIVE, _COUNT, _FRACTION = _R(), _R(low_open=True), _R(low=1), _R(high=1)
+RANGES: dict[str, flags.Range] = {
+    # Where every numeric setting of SidecarConfig may lie (dotted path): one
+    # table, checked alike for a flag, a TRAINWATCH_* variable, the config file
+    # and the JSON the sidecar reads. A period or timeout of 0 is a busy loop or
+    # an action that can never finish; a window of 0 judges nothing.
+    "tick_s": _R(low=0.01, high=60), "snapshot_s": _R(low=0.1, high=3600),
+    "engine.rearm_s": _POSITIVE,
+    "actions.capture_timeout_s": _POSITIVE, "actions.emergency_timeout_s": _POSITIVE,
+    "actions.in_process_timeout_s": _POSITIVE,
+    "detectors.exits.collateral_s": _ANY,
+    "detectors.process_state.confirm_s": _ANY,
+    "detectors.hang.floor_s": _POSITIVE, "detectors.hang.k": _POSITIVE, "detectors.hang.history": _COUNT,
+    "detectors.hang.warmup_s": _ANY, "detectors.hang.slow_phase_s": _ANY, "detectors.hang.busy_s": _ANY,
+    "detectors.hang.active_cpu": _ANY, "detectors.hang.active_io_bytes_s": _ANY,
+    "detectors.hang.heartbeat_stale_s": _POSITIVE, "detectors.hang.phase_factor": _ANY,
+    "detectors.hang.phase_min_samples": _ANY, "detectors.hang.phase_history": _COUNT,
+    "detectors.hang.steady_floor_s": _ANY, "detectors.hang.steady_min_steps": _COUNT,
+    "detectors.hang.other_work_late_s": _ANY,
+    "detectors.collective_mismatch.persist_steps": _COUNT, "detectors.collective_mismatch.stall_s": _POSITIVE,
+    "detectors.collective_mismatch.stall_factor": _ANY, "detectors.collective_mismatch.settle_s": _ANY,
+    "detectors.collective_mismatch.settle_rounds": _ANY, "detectors.collective_mismatch.round_min_s": _ANY,
+    "detectors.collective_mismatch.heartbeat_stale_s": _POSITIVE,
+    "detectors.straggler.window": _COUNT, "detectors.straggler.min_steps": _COUNT,
+    "detectors.straggler.ratio": _POSITIVE, "detectors.straggler.z": _ANY, "detectors.straggler.persist": _COUNT,
+    "detectors.straggler.persist_s": _ANY, "detectors.straggler.min_excess_s": _ANY,
+    "detectors.straggler.arrival_window": _COUNT, "detectors.straggler.arrival_min_collectives": _COUNT,
+    "detectors.straggler.arrival_min_lateness_s": _ANY, "detectors.straggler.arrival_last_fraction": _FRACTION,
+    "detectors.loss_health.history": _COUNT, "detectors.loss_health.min_steps": _ANY,
+    "detectors.loss_health.spike_mad_k": _ANY, "detectors.loss_health.spike_factor": _ANY,
+    "detectors.loss_health.grad_norm_floor": _ANY, "detectors.loss_health.grad_norm_factor": _ANY,
+    "detectors.training_health.dead_grad_steps": _COUNT,
+    "detectors.training_health.vanishing_frac": _R(low_open=True, high=1, high_open=True),
+    "detectors.training_health.vanishing_steps": _COUNT, "detectors.training_health.lr_grace_steps": _ANY,
+    "detectors.training_health.lr_zero_steps": _COUNT, "detectors.training_health.lr_max_ratio": _ANY,
+    "detectors.training_health.lr_max_min_steps": _ANY, "detectors.training_health.scale_halvings": _COUNT,
+    "detectors.training_health.scale_window_steps": _COUNT, "detectors.training_health.scale_grace_steps": _ANY,
+    "detectors.training_health.scale_floor": _ANY,
+    "detectors.loss_trend.window_steps": _COUNT, "detectors.loss_trend.points": _R(low=4),
+    "detectors.loss_trend.rise_frac": _ANY, "detectors.loss_trend.min_tau": _FRACTION,
+    "detectors.loss_trend.plateau_window_steps": _ANY, "detectors.loss_trend.plateau_frac": _ANY,
+    "detectors.loss_trend.max_ranks_per_tick": _COUNT,
+    "detectors.step_time.history": _R(low=2), "detectors.step_time.min_samples": _ANY,
+    "detectors.step_time.factor": _ANY, "detectors.step_time.min_excess_s": _ANY,
+    "detectors.step_time.hold_s": _ANY, "detectors.step_time.stall_grace_s": _ANY,
+    "detectors.step_time.node_grace_s": _ANY, "detectors.step_time.stall_min_excess_s": _ANY,
+}
+
+
 def launch_flags() -> list[flags.Flag]:
     """The watchdog flags `trainwatch launch` accepts, generated from SidecarConfig."""
-    return flags.config_flags(SidecarConfig, FLAG_PREFIXES)
+    return flags.config_flags(SidecarConfig, FLAG_PREFIXES, ranges=RANGES)
+
+
+def _option(dotted: str) -> str:
+    """A setting's flag, by dotted path (to name it in an error)."""
+    return next((f.option for f in launch_flags() if ".".join(f.path) == dotted), dotted)
