@@ -43,6 +43,7 @@ CATEGORY_RUNBOOK = {k.name: k.runbook for k in kinds.KINDS.values()} | {
     "healthy": "healthy",
     "suspect": "hang",
     "stopped": "stopped",
+    "preempted": "preempted",
     "starting": "starting",
     "finished": "finished",
 }

@@ -261,6 +261,7 @@ def _record_start(run: _Run, marker: state.JobDir, nslots: int, segment_path: st
         state_dir=str(run.job_dir.path),
         faults=[f.to_json() for f in run.config.faults],
         metrics=None,
+        preempted=None,  # an earlier run's preemption is over: this run resumes from it
     )
     marker.withdraw_launch()
     print(f"[trainwatch] job {run.config.job}: {entry} on {nslots} local rank(s); state in {run.job_dir.path}",

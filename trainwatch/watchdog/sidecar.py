@@ -23,7 +23,6 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-
 from trainwatch import kinds, procctl, rankrow, records, slots, state
 from trainwatch.diagnostics.goodput import Goodput
 from trainwatch.watchdog import otel, thresholds
@@ -129,6 +128,9 @@ class Sidecar:
     def restarts(self) -> int:
         restarts = (self.dir.read_job() or {}).get("restarts", 0)
         return restarts if isinstance(restarts, int) else 0
+
+    def preempted(self) -> dict | None:
+        return (self.dir.read_job() or {}).get("preempted")  # trainwatch_preempted: the launcher's record
 
     def hardware_metrics(self) -> Iterator:
         for source in self._hardware:
