@@ -372,7 +372,7 @@ def render(report: dict) -> str:
         lines.append("")
         lines.append(f"incidents ({len(report['incidents'])} most recent):")
         for i in report["incidents"][-5:]:
-            lines.append(f"  {i.get('time', '')} {i.get('kind')}: {i.get('summary', '')}")
+            lines.append(f"  {i.get('time', '')} {records.headline(str(i.get('kind')), str(i.get('summary') or ''))}")
     return "\n".join(lines)
 
 

@@ -104,7 +104,7 @@ class Sidecar:
         self.tracer = tracer
         self.recovery = RestartTracker(self.dir, clock)
         self.goodput = GoodputFeed(clock)  # where the job's wall time went, from this sidecar's start
-        self.gate = RestartGate(self.config.actions, clock)
+        self.gate = RestartGate(self.config.actions, clock, launcher_pid)
         self.responder: Responder | None = None
         if respond:
             self.responder = Responder(self.config.actions, ResponderContext(
