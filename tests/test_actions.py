@@ -51,9 +51,13 @@ def test_the_same_incident_at_the_same_step_after_a_restart_only_alerts():
     assert actions.decide(hang(culprits=(3,), step=55), 55, 2)[0]
 
 
-def test_alert_only_mode_never_restarts():
-    actions = RestartGate(ActionPolicy(restart=False), clock=Clock())
-    assert actions.decide(hang(), 40, 0) == (False, None)
+def test_alert_only_mode_never_restarts_and_says_what_it_leaves():
+    actions = RestartGate(ActionPolicy(restart=False), clock=Clock(), launcher_pid=4242)
+    restart, why = actions.decide(hang(), 40, 0)
+    assert not restart
+    assert why == ("not restarting (--no-restart): the job stays as it is until stopped; stop it with Ctrl-C in the "
+                   "launcher's terminal or `kill -TERM 4242` (the launcher)")
+    assert actions.decide({"kind": "straggler", "culprit_ranks": [1]}, 40, 0) == (False, None)  # alert-only anyway
 
 
 def test_low_severity_hardware_incident_only_alerts():

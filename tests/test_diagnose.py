@@ -64,6 +64,25 @@ def test_everyone_in_the_same_collective_names_no_culprit():
     assert "another node" in v.summary
 
 
+def test_the_verdict_quotes_the_threshold_the_watchdog_called_the_hang_by():
+    """The watchdog held rank 1 to the 3.3 s steady step it learnt (below the 5 s
+    floor telemetry.json has): diagnose judges and speaks by that figure."""
+    force = {"hang": {"floor_s": 5.0, "k": 5.0, "ranks": {str(r): 5.0 for r in range(4)}}}
+    hang = Incident("hang", [1], summary="hang: rank 1 stuck in phase 'forward'",
+                    evidence={"culprits": {"1": {"threshold_s": 3.3, "threshold_steady": True}}})
+    ranks = [row(0, idle=4.0), row(1, phase="forward", idle=4.0, enq=39), row(2, idle=4.0), row(3, idle=4.0)]
+    v = decide(ranks, incidents=[hang], thresholds=force)
+    assert v.culprit_ranks == [1]
+    assert "rank 1: no progress for 4.0s, past the hang threshold in force (3.3s)" in v.evidence
+    assert not any("5.0s" in e for e in [v.summary, *v.evidence])
+
+
+def test_all_ranks_stalled_quote_the_threshold_in_force_not_the_default_floor():
+    force = {"hang": {"floor_s": 2.0, "k": 5.0, "ranks": {str(r): 2.5 for r in range(4)}}}
+    v = decide([row(r, idle=3.0) for r in range(4)], thresholds=force)
+    assert v.culprit_ranks == [] and v.evidence == ["4 rank(s) without progress past the hang threshold in force (2.5s)"]
+
+
 def test_hardware_fault_wins():
     hw = [HardwareFinding("xid", "critical", gpu=1, xid=79, meaning="fallen off the bus", rank=1,
                           action="reboot_node")]

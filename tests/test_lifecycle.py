@@ -105,6 +105,25 @@ def test_a_hang_resolves_when_its_rank_trains_again_and_a_new_stall_is_a_new_inc
     assert len(opened3) == 1 and opened3[0] is not opened[0]
 
 
+def test_a_hang_reported_once_lasts_until_its_ranks_train_again():
+    """A hang is reported once, then its ranks are restarted or get going: its
+    duration runs to training again, not to its one report (once 0.0 s)."""
+    scripted = Scripted()
+    engine = DetectorEngine([scripted])
+    t = make_table(4, step=10)
+    hang = lambda: Incident(kind="hang", culprit_ranks=[1], summary="stuck", severity="high",  # noqa: E731
+                            detected_mono=101.0)
+    opened, resolved = run(engine, scripted, t, [hang, None, None])
+    assert len(opened) == 1 and resolved == []
+    set_rows(t, 1, step=11)
+    _, [done] = run(engine, scripted, t, [None], start=111.0)  # trains again at 112
+    assert done.reason == "its ranks made progress" and done.duration_s == pytest.approx(11.0)
+    opened, _ = run(engine, scripted, t, [lambda: dataclasses.replace(hang(), detected_mono=201.0)], start=200.0)
+    set_rows(t, 1, pid=9999, step=3)  # a new process of rank 1: the restart
+    _, [done] = run(engine, scripted, t, [None], start=224.0)
+    assert done.reason == "its ranks restarted" and done.duration_s == pytest.approx(24.0)
+
+
 def test_a_restarted_culprit_ends_the_old_incident():
     scripted = Scripted()
     engine = DetectorEngine([scripted])

@@ -132,6 +132,11 @@ SEVERITIES = ("info", "low", "medium", "high", "critical")
 """Allowed severities, least to most urgent."""
 
 
+def headline(kind: str, summary: str) -> str:
+    """`kind: summary`, the kind said once (most detectors' summaries begin with it)."""
+    return summary if summary.startswith(f"{kind}:") else f"{kind}: {summary}"
+
+
 def severity_rank(severity: str) -> int:
     """Position of a severity in SEVERITIES (higher is more urgent)."""
     return SEVERITIES.index(severity)

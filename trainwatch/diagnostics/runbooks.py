@@ -31,6 +31,7 @@ PRODUCT_RUNBOOKS = (
     "dataloader-worker-killed",
     "healthy",
     "stopped",
+    "preempted",
     "starting",
     "finished",
     "restart-loop",

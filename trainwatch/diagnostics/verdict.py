@@ -43,6 +43,7 @@ CATEGORY_RUNBOOK = {k.name: k.runbook for k in kinds.KINDS.values()} | {
     "healthy": "healthy",
     "suspect": "hang",
     "stopped": "stopped",
+    "preempted": "preempted",
     "starting": "starting",
     "finished": "finished",
 }
@@ -152,9 +153,12 @@ def decide(ranks: Sequence[RankRow], groups: list[Any] = (), incidents: Sequence
     steps = [r.step for r in ranks]
     step_s = [r.step_s for r in ranks if r.step_s]
     stall_s = max(FLOOR_S, K * median(step_s)) if step_s else FLOOR_S
-    limits = _thresholds(ranks, thresholds, stall_s)
-    stalled = [r for r in ranks if r.last_progress_s > limits[r.rank]]
     still_open = recovering + [i for i in incidents if i.status == "open" and i.kind in kinds.KINDS]
+    limits = _thresholds(ranks, thresholds, stall_s)
+    for rank, called in _called_at(still_open).items():  # the figure the watchdog judged by, learnt or not
+        if rank in limits:
+            limits[rank] = min(limits[rank], called)
+    stalled = [r for r in ranks if r.last_progress_s > limits[r.rank]]
     fault = next((i for i in reversed(still_open) if i.kind not in ALERT_ONLY_KINDS), None)
     if gone and fault is not None:
         # Ranks gone while a fault is open: the fault (a crash's culprit), or
@@ -223,7 +227,8 @@ def decide(ranks: Sequence[RankRow], groups: list[Any] = (), incidents: Sequence
             f"all {len(ranks)} ranks stalled in the same place ({(g.evidence if g else None) or 'a collective'}); "
             "no rank stands out here: the culprit may be on another node, or the network/GPU",
             _runbook_for(cat, g.pattern_id if g else None), 0.4,
-            [f"{len(stalled)} rank(s) without progress for > {stall_s:.0f}s"],
+            [f"{len(stalled)} rank(s) without progress past the hang threshold in force "
+             f"({min(limits[r.rank] for r in stalled):.1f}s)"],
         )
     lead = culprits[0]
     if odd is not None and set(odd.ranks) == set(culprits):
@@ -242,6 +247,8 @@ def decide(ranks: Sequence[RankRow], groups: list[Any] = (), incidents: Sequence
         f"{_fmt(culprits)} stuck ({category}) at {where} since step {lead_row.step}"
         + (f"; {_fmt(victims)} wait for it" if victims else "")
     )
+    evidence.append(f"rank {lead}: no progress for {lead_row.last_progress_s:.1f}s, past the hang threshold in "
+                    f"force ({limits[lead]:.1f}s)")
     evidence.extend(f"rank {lead}: {w}" for w in why[lead])
     return Verdict(category, culprits, summary, _runbook_for(category, pattern_id), round(min(0.95, confidence), 2),
                    evidence)
@@ -258,6 +265,24 @@ def _thresholds(ranks: Sequence[RankRow], thresholds: Any, fallback_s: float) ->
     for r in ranks:
         value = hang.ranks.get(str(r.rank), 0.0)
         out[r.rank] = value if value > 0 else hang.floor_s
+    return out
+
+
+def _called_at(incidents: Sequence[Incident]) -> dict[int, float]:
+    """Each culprit's hang threshold as the watchdog held it when it called the
+    hang (its evidence): a learnt steady-step threshold may be below the floor
+    that telemetry.json's thresholds say."""
+    out: dict[int, float] = {}
+    for incident in incidents:
+        culprits = incident.evidence.get("culprits") if incident.kind == "hang" else None
+        for rank, facts in (culprits.items() if isinstance(culprits, dict) else ()):
+            value = codec.finite_number(facts.get("threshold_s")) if isinstance(facts, dict) else None
+            try:
+                rank = int(rank)
+            except (TypeError, ValueError):
+                continue
+            if value is not None and value > 0:
+                out[rank] = min(out.get(rank, value), value)
     return out
 
 

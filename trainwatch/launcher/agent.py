@@ -8,6 +8,7 @@ sidecar, and sidecar-requested restarts through torchelastic's own restart path.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -17,13 +18,14 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from trainwatch import codec, env, records, slots, state
 from trainwatch.records import JobStatus
+from trainwatch.diagnostics import preemption
 from trainwatch.launcher import failures, warmstart
 from trainwatch.launcher.backoff import Backoff, BackoffDecision, Cause, crash_cause, incident_cause
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
@@ -40,6 +42,25 @@ state was already saved by the emergency checkpoint; waiting longer only delays
 the restart."""
 _SHUTDOWN_TAKES_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
 """torch 2.13's agent takes a teardown grace; some other releases (2.11) do not."""
+
+
+@contextlib.contextmanager
+def held_signals(signals: frozenset[int] | set[int]) -> Iterator[list[int]]:
+    """Hold `signals` while the block runs: each one that comes is noted in the
+    list yielded, not acted on; the handlers before are back afterwards. Off
+    the main thread (where handlers cannot be set) it holds nothing."""
+    during: list[int] = []
+    before = {}
+    try:
+        for sig in signals:
+            before[sig] = signal.signal(sig, lambda signum, _frame: during.append(signum))
+    except ValueError:
+        pass
+    try:
+        yield during
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 class TrainwatchAgent(LocalElasticAgent):
@@ -168,18 +189,25 @@ class TrainwatchAgent(LocalElasticAgent):
             handler = handlers.get(local_rank)
             return handler is None or handler.proc.poll() is None
 
-        try:
-            result = request_emergency_checkpoint(self.segment, self.preempt_grace_s, alive=running)
-        except Exception as e:  # the stop goes on whatever the checkpoint did
-            result = {"requested": [], "no_state": [], "written": {}, "failed": {}, "step": None,
-                      "seconds": round(time.monotonic() - t0, 3), "skipped": f"{type(e).__name__}: {e}"}
+        signalled = time.time()
+        # A second notice (schedulers repeat SIGTERM; a person presses Ctrl-C)
+        # must not cut the checkpoint short: it is held, and the stop goes on after.
+        with held_signals(self.preempt_signals | {int(signal.SIGINT)}) as during:
+            try:
+                result = request_emergency_checkpoint(self.segment, self.preempt_grace_s, alive=running)
+            except Exception as e:  # the stop goes on whatever the checkpoint did
+                result = {"requested": [], "no_state": [], "written": {}, "failed": {}, "step": None,
+                          "seconds": round(time.monotonic() - t0, 3), "skipped": f"{type(e).__name__}: {e}"}
         said = describe(result)
         if result.get("no_state") and not result.get("written"):
             said += ("; nothing was saved: the script registers no state (tw.register_state), so its work since "
                      "its own last checkpoint is lost")
+        if during:
+            print(f"[trainwatch] preemption: {len(during)} more stop signal(s) held until the checkpoint was done",
+                  flush=True)
         print(f"[trainwatch] preemption: {said}", flush=True)
-        self.preempted = {"signal": sig.name, "checkpoint": result, "said": said,
-                          "seconds": round(time.monotonic() - t0, 3)}
+        self.preempted = preemption.record(sig.name, result, said, time.monotonic() - t0, signalled, len(during))
+        self.dir.update_job(preempted=self.preempted)  # diagnose and the metrics say it while the job stops
         self._on_event("preempted", self.preempted)
 
     def _worker_pids(self) -> list[int]:

@@ -78,6 +78,8 @@ class _Run:
     """This run's id (a fresh one per launch)."""
     node: str
     """This node's name."""
+    ended: str = ""
+    """Why the job failed, in a few words, for the one line that says it did."""
 
 
 def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock, undo: list) -> int:
@@ -107,7 +109,7 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         status, code = _run_agent(run, agent, launch_config.rdzv_endpoint)
     finally:
         status, code, nonfinite = _clean_up(run, agent, sidecar, segment, segment_path, status, code)
-    print(f"[trainwatch] job {run.config.job} {status} (restarts: {agent.restart_count})", flush=True)
+    print(printable(_end_line(run, status, agent.restart_count)), flush=True)
     if status is JobStatus.FAILED:
         cause = None
         if agent.fatal is not None:
@@ -117,6 +119,12 @@ def _launch(argv: list[str], early: str, marker: state.JobDir, lock: liveness.Ru
         print(printable(failure_summary(run.config.job, agent.restart_count, run.args.max_restarts, cause)),
               file=sys.stderr, flush=True)
     return code
+
+
+def _end_line(run: _Run, status: JobStatus, restarts: int) -> str:
+    """The one line that says how the job ended (and why it failed): the lines before give only the detail."""
+    why = f"{run.ended}; " if status is JobStatus.FAILED and run.ended else ""
+    return f"[trainwatch] job {run.config.job} {status} ({why}restarts: {restarts})"
 
 
 def _claim_job(argv: list[str], early: str, marker: state.JobDir, lock: liveness.RunLock) -> _Run:
@@ -261,6 +269,7 @@ def _record_start(run: _Run, marker: state.JobDir, nslots: int, segment_path: st
         state_dir=str(run.job_dir.path),
         faults=[f.to_json() for f in run.config.faults],
         metrics=None,
+        preempted=None,  # an earlier run's preemption is over: this run resumes from it
     )
     marker.withdraw_launch()
     print(start_line(run.config.job, entry, nslots, run.job_dir.path), flush=True)
@@ -353,10 +362,11 @@ def _run_agent(run: _Run, agent, rdzv_endpoint: str) -> tuple[JobStatus, int]:
         exits = ", ".join(
             f"rank {r}: exit code {f.exitcode}" for r, f in sorted(result.failures.items())
         ) or "the watchdog's restart budget is spent"
-        print(f"[trainwatch] job {job} failed ({exits})", file=sys.stderr, flush=True)
+        run.ended = exits
     except ChildFailedError as e:
         # torchelastic's summary quotes the ranks' own error files: shown, never acted on by the terminal.
-        print(printable(f"[trainwatch] job {job} failed: {e}"), file=sys.stderr, flush=True)
+        print(printable(f"[trainwatch] torchelastic's report: {e}"), file=sys.stderr, flush=True)
+        run.ended = "a worker failed; torchelastic's report above"
     except RENDEZVOUS_ERRORS as e:
         _rendezvous_lost(run, e, rdzv_endpoint)
     except KeyboardInterrupt:
@@ -377,9 +387,10 @@ def _run_agent(run: _Run, agent, rdzv_endpoint: str) -> tuple[JobStatus, int]:
 def _rendezvous_lost(run: _Run, error: Exception, rdzv_endpoint: str) -> None:
     """The nodes did not meet again: said, and, when the node holding the store
     is gone, recorded as this node's node_lost incident."""
-    job, node, run_id = run.config.job, run.node, run.run_id
+    node, run_id = run.node, run.run_id
     host_lost, why = failures.rendezvous_lost(error, rdzv_endpoint)
-    print(printable(f"[trainwatch] job {job} failed: the nodes did not meet again ({type(error).__name__}: "
+    run.ended = "the nodes did not meet again"
+    print(printable(f"[trainwatch] the nodes did not meet again ({type(error).__name__}: "
                     f"{str(error).splitlines()[0][:200] if str(error) else 'no detail'}); {why}"), file=sys.stderr,
           flush=True)
     if host_lost:  # this node survived the one that held the store: its incident, in its own records
@@ -421,8 +432,9 @@ def _clean_up(run: _Run, agent, sidecar: SidecarProcess, segment: slots.Segment,
         nonfinite = failures.nonfinite_end(job_dir, segment.read_table(), segment.nslots, run.run_id)
         if nonfinite:
             status, code = JobStatus.FAILED, 1
-            print(f"[trainwatch] job {config.job} failed: {nonfinite} (--nan-policy alert lets such a job "
-                  "end as succeeded)", file=sys.stderr, flush=True)
+            run.ended = nonfinite
+            print(f"[trainwatch] {nonfinite} (--nan-policy alert lets such a job end as succeeded)",
+                  file=sys.stderr, flush=True)
     job_dir.update_job(status=status, end_time=time.time(), exit_code=code, restarts=agent.restart_count,
                        **({"preempted": agent.preempted} if agent.preempted is not None else {}))
     segment.close()

@@ -16,9 +16,9 @@ from typing import Any
 
 import psutil
 
-from trainwatch import jobstore, kinds, liveness, rankrow, records, slots, state
+from trainwatch import codec, jobstore, kinds, liveness, rankrow, records, slots, state
 from trainwatch.capture import capture_ranks
-from trainwatch.diagnostics import goodput, utilisation
+from trainwatch.diagnostics import goodput, preemption, utilisation
 from trainwatch.diagnostics import verdict as verdict_mod
 from trainwatch.diagnostics.rank_summary import SUMMARY_ABOVE, summarise
 from trainwatch.diagnostics.stack_groups import StackGroup
@@ -202,6 +202,8 @@ def collect(job_name: str, *, native: bool = False, timeout_s: float = 8.0, capt
                      gpu)
     # Productive time over wall time and badput by cause, as the sidecar last counted it.
     report["goodput"] = goodput.typed_record(telemetry.get("goodput"))
+    preempted = preemption.of_job(job)
+    report["preempted"] = codec.encode(preempted) if preempted is not None else None
     return report
 
 
@@ -239,6 +241,9 @@ def _verdict(job, status, live, ranks, groups, incidents, hardware, thresholds=N
         faults = [i for i in incidents if i.kind != "restart"]
         note = f" ({len(faults)} incident(s) along the way; see incidents)" if faults else ""
         return verdict_mod.Verdict("finished", [], f"job finished normally{note}", "finished", 0.95, [])
+    preempted = preemption.of_job(job)
+    if preempted is not None and not live:
+        return preemption.verdict(preempted, str(job.get("job") or ""))
     if live:
         return verdict_mod.decide(ranks, groups, incidents, hardware, thresholds)
     if incidents:
@@ -312,7 +317,7 @@ def _report(job_name, status, v, ranks, groups, hardware, incidents, gpu: dict) 
 def render(report: dict) -> str:
     v = report["verdict"]
     lines = [
-        f"job {report['job']} ({report['status']})",
+        f"job {report['job']} ({report['status']}" + (", preempted" if report.get("preempted") else "") + ")",
         f"verdict: {v['category']}"
         + (f" — culprit {', '.join(f'rank {r}' for r in v['culprit_ranks'])}" if v["culprit_ranks"] else "")
         + f" (confidence {v['confidence']:.2f})",
@@ -367,7 +372,7 @@ def render(report: dict) -> str:
         lines.append("")
         lines.append(f"incidents ({len(report['incidents'])} most recent):")
         for i in report["incidents"][-5:]:
-            lines.append(f"  {i.get('time', '')} {i.get('kind')}: {i.get('summary', '')}")
+            lines.append(f"  {i.get('time', '')} {records.headline(str(i.get('kind')), str(i.get('summary') or ''))}")
     return "\n".join(lines)
 
 

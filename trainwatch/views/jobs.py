@@ -7,6 +7,7 @@ import json
 import time
 
 from trainwatch import liveness, state
+from trainwatch.diagnostics import preemption
 from trainwatch.usage import Parser, printable
 
 
@@ -43,10 +44,17 @@ def main(argv: list[str]) -> int:
         print(printable(f"no jobs under {state.home() / 'jobs'}"))
         return 0
     print(f"{'JOB':<36} {'STATUS':<10} {'RANKS':>5} {'RESTARTS':>8}  {'STARTED':<19}  {'NODES':<16} ENTRYPOINT")
+    notes = []
     for j in jobs:
+        preempted = preemption.of_job(j) if j["status"] not in liveness.LIVE_STATUSES else None
+        if preempted is not None:
+            j["status"] = "preempted"
+            notes.append(f"{_text(j.get('job'), '?')}: {preemption.line(preempted)}")
         started = _started(j.get("start_time"))
         ranks = j.get("ranks") if isinstance(j.get("ranks"), list) else []
         restarts = j.get("restarts") if state.is_int(j.get("restarts")) else 0
         print(printable(f"{_text(j.get('job'), '?'):<36} {j['status']:<10} {len(ranks):>5} {restarts:>8}  "
                         f"{started:<19}  {_nodes(j):<16} {_text(j.get('entrypoint'))}"))
+    for note in notes:
+        print(printable(note))
     return 0

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwatch import kinds, liveness, rankrow, records, state
-from trainwatch.diagnostics import goodput
+from trainwatch.diagnostics import goodput, preemption
 from trainwatch.usage import Parser, fail, printable
 
 MAX_POINTS = 2000
@@ -144,6 +144,7 @@ def collect(job: str, now: float | None = None) -> dict[str, Any]:
         "slowest": _slowest(series),
         "samples": nsamples,
         "goodput": goodput.typed_record(d.telemetry().get("goodput")),
+        "preempted": preemption.line(p) if (p := preemption.of_job(record)) is not None else None,
         "generated": now,
     }
 
@@ -185,6 +186,7 @@ def render(data: dict[str, Any]) -> str:
         ("steps reached", str(data["steps"])),
         ("restarts", str(data["restarts"])),
         ("incidents", kinds),
+        *([("preempted", esc(data["preempted"]))] if data.get("preempted") else []),
     ]
     facts_html = "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in facts)
     # JSON inside <script>: "<" escaped so no text can close the tag.

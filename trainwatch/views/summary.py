@@ -3,7 +3,7 @@ often, what next. Printed by the launcher at exit."""
 
 from __future__ import annotations
 
-from trainwatch import state
+from trainwatch import records, state
 from trainwatch.usage import printable
 
 
@@ -23,7 +23,7 @@ def failure_summary(job: str, restarts: int, max_restarts: int, cause: str | Non
     lines.append("  incidents: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"))
     if last is not None:
         verdict = last.verdict
-        lines.append(f"  last: {last.kind}: {(verdict.summary if verdict else '') or last.summary}")
+        lines.append(f"  last: {records.headline(last.kind, (verdict.summary if verdict else '') or last.summary)}")
         runbook = (verdict.runbook if verdict else None) or last.runbook
         if runbook:
             lines.append(f"  next: trainwatch runbook {runbook}")

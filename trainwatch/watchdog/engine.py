@@ -77,10 +77,17 @@ class Resolved:
     """Ticks it was reported in while open."""
     reason: str
     """Why it is over, in words."""
+    training_again: bool = False
+    """Over because its ranks train again (progress, or a restarted generation),
+    not because it was no longer seen."""
 
     @property
     def duration_s(self) -> float:
-        return max(0.0, self.last_seen_mono - self.incident.detected_mono)
+        """From the fault to training again (a hang is reported once, then its
+        ranks are restarted: its last report says nothing of how long training
+        stood still), or to its last report for a condition that went away."""
+        end = self.resolved_mono if self.training_again else self.last_seen_mono
+        return max(0.0, end - self.incident.detected_mono)
 
 
 @dataclass(slots=True)
@@ -201,7 +208,8 @@ class DetectorEngine:
             if why is not None:
                 del self._seen[key]
                 if seen.incident is not None:
-                    self._resolved.append(Resolved(seen.incident, now, seen.last_seen, seen.count, why))
+                    progress = now - seen.absent_since < self.config.rearm_s  # else: not seen for the hold time
+                    self._resolved.append(Resolved(seen.incident, now, seen.last_seen, seen.count, why, progress))
         return emitted
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -225,7 +233,8 @@ class DetectorEngine:
             # stalled anew): resolved, and this is a new incident.
             if seen.incident is not None:
                 self._resolved.append(Resolved(seen.incident, view.now, seen.last_seen, seen.count,
-                                               "its ranks restarted" if restarted else "its ranks made progress"))
+                                               "its ranks restarted" if restarted else "its ranks made progress",
+                                               True))
         self._seen[inc.key] = _Seen(absent_since=None, steps=self._steps_of(inc, view), detected=inc.detected_mono,
                                     incident=inc, last_seen=view.now)
         return True

@@ -18,6 +18,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, 
 from prometheus_client.registry import Collector
 
 from trainwatch import kinds, slots
+from trainwatch.diagnostics import preemption
 from trainwatch.diagnostics.goodput import CAUSES
 from trainwatch.rankrow import RankRow
 from trainwatch.watchdog import aggregates
@@ -166,11 +167,26 @@ class TrainwatchCollector(Collector):
         restarts = CounterMetricFamily("trainwatch_restarts", "Worker group restarts.", labels=[JOB_LABEL, "node"])
         restarts.add_metric([job, node], float(sc.restarts()))
         yield restarts
+        yield _preempted(job, sc)
         yield from _goodput(job, sc)
         yield from sc.hardware_metrics()
         job_metrics = getattr(sc, "job_metrics", None)
         if job_metrics is not None:
             yield from job_metrics()
+
+
+def _preempted(job: str, sc: Source) -> GaugeMetricFamily:
+    """1 while the job is preempted (the launcher got the signal and wrote its
+    checkpoint), by signal and whether the checkpoint was saved; 0 otherwise."""
+    family = GaugeMetricFamily("trainwatch_preempted", "The job was preempted: 1 from the launcher's checkpoint "
+                               "for a preemption signal until the next run.",
+                               labels=[JOB_LABEL, "node", "signal", "checkpoint"])
+    p = preemption.of_job({"preempted": getattr(sc, "preempted", lambda: None)()})
+    if p is None:
+        family.add_metric([job, sc.node, "", ""], 0.0)
+    else:
+        family.add_metric([job, sc.node, p.signal, "saved" if p.saved else "not_saved"], 1.0)
+    return family
 
 
 def _open_incidents(job: str, sc: Source) -> Iterator:

@@ -48,9 +48,12 @@ class RestartGate:
     """Whether an incident restarts the job: policy, one request per episode,
     and never the same fault at the same step twice in a row."""
 
-    def __init__(self, policy: ActionPolicy, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, policy: ActionPolicy, clock: Callable[[], float] = time.monotonic,
+                 launcher_pid: int | None = None):
         self.policy = policy
         self.clock = clock
+        self.launcher_pid = launcher_pid
+        """The launcher's pid: what to signal to stop a job that is not restarted."""
         self.requested_at: float | None = None
         self._last_cause: tuple | None = None
         """(kind, culprits, step, generation) of the incident the last restart was for."""
@@ -58,11 +61,17 @@ class RestartGate:
     def decide(self, record: dict, step: int | None, generation: int) -> tuple[bool, str | None]:
         """(restart?, why not, when worth saying)."""
         kind = record.get("kind")
-        if not self.policy.restart or kind not in self.policy.restart_kinds:
+        if kind not in self.policy.restart_kinds:
             return False, None
         if kind in kinds.HARDWARE_KINDS:
             if _SEVERITY.get(record.get("severity", "medium"), 2) < _SEVERITY[self.policy.min_severity_restart]:
                 return False, None
+        if not self.policy.restart:
+            # Said, or the console goes quiet while the job stays hung or broken.
+            stop = f"`kill -TERM {self.launcher_pid}` (the launcher)" if self.launcher_pid else \
+                "`kill -TERM` the launcher (job.json's launcher_pid)"
+            return False, (f"not restarting (--no-restart): the job stays as it is until stopped; stop it with "
+                           f"Ctrl-C in the launcher's terminal or {stop}")
         # One restart request per episode: the agent is already tearing down.
         # Once the new worker generation is up, that restart is over.
         if self.requested_at is not None and self._last_cause is not None and generation > self._last_cause[3]:

@@ -106,7 +106,7 @@ class Sidecar:
         self.tracer = tracer
         self.recovery = RestartTracker(self.dir, clock)
         self.goodput = GoodputFeed(clock)  # where the job's wall time went, from this sidecar's start
-        self.gate = RestartGate(self.config.actions, clock)
+        self.gate = RestartGate(self.config.actions, clock, launcher_pid)
         self.responder: Responder | None = None
         if respond:
             self.responder = Responder(self.config.actions, ResponderContext(
@@ -130,6 +130,9 @@ class Sidecar:
     def restarts(self) -> int:
         restarts = (self.dir.read_job() or {}).get("restarts", 0)
         return restarts if isinstance(restarts, int) else 0
+
+    def preempted(self) -> dict | None:
+        return (self.dir.read_job() or {}).get("preempted")  # trainwatch_preempted: the launcher's record
 
     def hardware_metrics(self) -> Iterator:
         for source in self._hardware:
