@@ -19,7 +19,7 @@ PKG = ROOT / "trainwatch"
 BASE = {"trainwatch.slots", "trainwatch.env", "trainwatch.flags", "trainwatch.usage", "trainwatch.historyfile",
         "trainwatch.checkpoint", "trainwatch.finite", "trainwatch.ckptschema", "trainwatch.diagnostics",
         "trainwatch.procctl", "trainwatch.netbind", "trainwatch.kinds", "trainwatch.records", "trainwatch.codec",
-        "trainwatch.rankrow"}
+        "trainwatch.rankrow", "trainwatch.messages"}
 LEVEL2 = BASE | {"trainwatch.state", "trainwatch.capture", "trainwatch.liveness",
                  "trainwatch.jobstore", "trainwatch"}
 ALLOWED = {
@@ -28,6 +28,7 @@ ALLOWED = {
     "trainwatch.kinds": set(),
     "trainwatch.records": {"trainwatch.codec", "trainwatch.kinds"},
     "trainwatch.codec": set(),
+    "trainwatch.messages": set(),
     "trainwatch.slots": set(),
     "trainwatch.env": set(),
     "trainwatch.flags": set(),

@@ -122,7 +122,8 @@ def test_any_json_reads_as_an_incident_a_verdict_or_a_store_record_or_nothing(da
 
 
 ACTION_FIELDS = st.sampled_from(["verdict", "capture", "checkpoint", "in_process", "restart", "stack_groups",
-                                  "category", "culprit_ranks", "requested", "why", "ok", "step", "written", "failed"])
+                                  "category", "culprit_ranks", "requested", "why", "ok", "step", "written", "failed",
+                                  "revised", "from_kind", "runbook", "summary"])
 EVENT = st.dictionaries(INCIDENT_FIELDS | ACTION_FIELDS, JSON | st.dictionaries(ACTION_FIELDS, JSON, max_size=4),
                         max_size=10)
 EVENT_LINE = st.binary(max_size=80) | EVENT.map(lambda d: json.dumps(d).encode()) | st.builds(
@@ -215,24 +216,25 @@ def test_rank_rows_and_the_job_status_are_written_by_the_codec(tmp_path):
                                                  st.dictionaries(st.sampled_from(["op", "id", "pid", "code", "args",
                                                                                   "env", "cwd", "error"]), JSON)))
 def test_any_line_on_the_warm_start_socket_reads_as_a_message_or_nothing(raw):
-    from trainwatch import records
+    from trainwatch import messages
 
-    got = codec.decode_line(records.ZYGOTE_MESSAGES, raw)
-    assert got is None or type(got) in records.ZYGOTE_MESSAGES.values()
+    got = codec.decode_line(messages.ZYGOTE_MESSAGES, raw)
+    assert got is None or type(got) in messages.ZYGOTE_MESSAGES.values()
 
 
 def test_zygote_messages_and_restart_requests_round_trip():
-    from trainwatch import records
+    from trainwatch import messages
 
-    for msg in (records.ZygoteReady(7, ["torch"], 1.5, False), records.ZygoteFork(1, ["python", "-c", "0"], {"A": "b"}, "/"),
-                records.ZygoteForked(1, pid=9), records.ZygoteForked(2, error="bad"), records.ZygoteExit(9, -9)):
-        assert codec.decode_line(records.ZYGOTE_MESSAGES, json.dumps(codec.encode(msg))) == msg
-    assert codec.decode_line(records.ZYGOTE_MESSAGES, b'{"op": "exit", "pid": "9", "code": 0}') is None
-    assert codec.decode_line(records.ZYGOTE_MESSAGES, b'{"op": "fork", "id": 1, "args": ["x", 5], "env": {"A": 1}, '
-                                                      b'"cwd": "/"}') == records.ZygoteFork(1, ["x"], {}, "/")
-    req = records.RestartRequest(run="r", generation=2, reason="hang", kind="hang", incident="n-1-3", time=5.0)
-    assert codec.decode(records.RestartRequest, json.loads(json.dumps(codec.encode(req)))) == req
-    assert codec.decode(records.RestartRequest, {"run": "r", "generation": True}) is None
+    for msg in (messages.ZygoteReady(7, ["torch"], 1.5, False),
+                messages.ZygoteFork(1, ["python", "-c", "0"], {"A": "b"}, "/"),
+                messages.ZygoteForked(1, pid=9), messages.ZygoteForked(2, error="bad"), messages.ZygoteExit(9, -9)):
+        assert codec.decode_line(messages.ZYGOTE_MESSAGES, json.dumps(codec.encode(msg))) == msg
+    assert codec.decode_line(messages.ZYGOTE_MESSAGES, b'{"op": "exit", "pid": "9", "code": 0}') is None
+    assert codec.decode_line(messages.ZYGOTE_MESSAGES, b'{"op": "fork", "id": 1, "args": ["x", 5], "env": {"A": 1}, '
+                                                       b'"cwd": "/"}') == messages.ZygoteFork(1, ["x"], {}, "/")
+    req = messages.RestartRequest(run="r", generation=2, reason="hang", kind="hang", incident="n-1-3", time=5.0)
+    assert codec.decode(messages.RestartRequest, json.loads(json.dumps(codec.encode(req)))) == req
+    assert codec.decode(messages.RestartRequest, {"run": "r", "generation": True}) is None
 
 
 @settings(max_examples=150, deadline=None)
@@ -249,5 +251,5 @@ def test_any_restart_request_file_is_taken_or_ignored(tmp_path_factory, raw):
     job.restart_request_file.write_bytes(raw)
     agent = SimpleNamespace(dir=job, run_id="r", restart_count=0)
     got = TrainwatchAgent._take_restart_request(agent)
-    assert got is None or (isinstance(got, records.RestartRequest) and got.run == "r" and got.generation == 0)
+    assert got is None or (isinstance(got, messages.RestartRequest) and got.run == "r" and got.generation == 0)
     assert not job.restart_request_file.exists()

@@ -124,6 +124,19 @@ def test_a_hang_reported_once_lasts_until_its_ranks_train_again():
     assert done.reason == "its ranks restarted" and done.duration_s == pytest.approx(24.0)
 
 
+def test_a_hang_reported_once_stays_open_while_its_rank_stays_stuck():
+    """Not seen again for minutes while its rank has not stepped: still open (it
+    once resolved 'after 0.0s (not seen for 60s)' with the rank still stuck)."""
+    scripted = Scripted()
+    engine = DetectorEngine([scripted], config=EngineConfig(rearm_s=60.0))
+    t = make_table(4, step=10)
+    hang = lambda: Incident(kind="hang", culprit_ranks=[1], summary="stuck", severity="high")  # noqa: E731
+    opened, resolved = run(engine, scripted, t, [hang] + [None] * 180)
+    assert len(opened) == 1 and resolved == [] and [i.kind for i in engine.open_incidents()] == ["hang"]
+    set_rows(t, [0, 2, 3], pid=0)  # its peers gone, rank 1 still there and stuck: still open
+    assert run(engine, scripted, t, [None] * 70, start=300.0) == ([], [])
+
+
 def test_a_restarted_culprit_ends_the_old_incident():
     scripted = Scripted()
     engine = DetectorEngine([scripted])

@@ -174,7 +174,7 @@ def test_response_runs_off_the_tick(job, monkeypatch):
         started.set()
         assert release.wait(30)
         return {"capture": {"seconds": 9.9, "ranks": 4, "dir": "x", "failed": {}},
-                "verdict": {"category": "dataloader", "culprit_ranks": [2]}}
+                "verdict": {"category": "dataloader", "culprit_ranks": [2]}}, None
 
     monkeypatch.setattr(Responder, "capture", slow_capture)
     clock = Clock(1000.0)

@@ -257,3 +257,21 @@ def _value(annotation: Any, raw: Any, bounds: Check) -> Any:
 def _describe(annotation: Any) -> str:
     name = getattr(annotation, "__name__", None)
     return f"a {name}" if name else f"of type {annotation}"
+
+
+def jsonable(value: Any) -> Any:
+    """Convert numpy scalars/arrays, tuples and sets to plain JSON types.
+
+    Non-finite floats become the strings 'nan'/'inf'/'-inf': a NaN loss is a
+    fact worth keeping, and bare NaN is not valid JSON for other readers."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.rstrip(b"\0").decode("ascii", "replace")
+    if hasattr(value, "tolist") and not isinstance(value, (str, int, float, bool)):
+        return jsonable(value.tolist())  # numpy scalar or array
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value

@@ -17,12 +17,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import enum
-import math
 from dataclasses import field
 from typing import Any
 
 from trainwatch import codec, kinds
-from trainwatch.codec import finite_number, is_int  # noqa: F401  (the readers' names for them)
+from trainwatch.codec import finite_number, is_int, jsonable  # noqa: F401  (the readers' names for them)
 
 
 class JobStatus(str, enum.Enum):
@@ -46,75 +45,6 @@ class JobStatus(str, enum.Enum):
 
 LIVE_STATUSES = (JobStatus.STARTING.value, JobStatus.RUNNING.value, JobStatus.RESTARTING.value)
 """Statuses of a run whose launcher is (or should be) alive."""
-
-
-# ---- messages between trainwatch's own processes (read with trainwatch.codec) ----------
-
-
-@dataclasses.dataclass(slots=True)
-class RestartRequest:
-    """The sidecar's request that the agent restart the worker group
-    (control/restart-request.json)."""
-
-    run: str
-    """The launcher run it is for: another run's request is ignored."""
-    generation: int
-    """The worker group it is about: a request that arrives after the agent
-    restarted for another reason must not restart again."""
-    reason: str = "sidecar request"
-    kind: str | None = None
-    incident: str | None = None
-    """The id of the incident the restart is an action of."""
-    time: float = 0.0
-
-
-@dataclasses.dataclass(slots=True)
-class ZygoteReady:
-    """The warm-start process is up, with the entry's imports preloaded."""
-
-    pid: int
-    preloaded: list[str] = dataclasses.field(default_factory=list)
-    import_s: float = 0.0
-    cuda_initialized: bool = False
-    op: str = "ready"
-
-
-@dataclasses.dataclass(slots=True)
-class ZygoteFork:
-    """The agent asks the warm-start process for one worker."""
-
-    id: int
-    args: list[str]
-    env: dict[str, str]
-    cwd: str
-    stdout: str | None = None
-    stderr: str | None = None
-    op: str = "fork"
-
-
-@dataclasses.dataclass(slots=True)
-class ZygoteForked:
-    """The answer to a fork: the worker's pid, or why there is none."""
-
-    id: int
-    pid: int | None = None
-    error: str | None = None
-    op: str = "forked"
-
-
-@dataclasses.dataclass(slots=True)
-class ZygoteExit:
-    """A forked worker exited (its exit code as os.waitstatus_to_exitcode gives it)."""
-
-    pid: int
-    code: int
-    op: str = "exit"
-
-
-ZYGOTE_MESSAGES = {"ready": ZygoteReady, "fork": ZygoteFork, "forked": ZygoteForked, "exit": ZygoteExit}
-"""The warm-start protocol's messages by their `op` (one JSON object a line)."""
-
-
 
 
 # ---- incidents (events.jsonl, the job store) ----------------------------------------------
@@ -248,6 +178,20 @@ class InProcessResult:
 
 
 @dataclasses.dataclass(slots=True)
+class Revision:
+    """Evidence gathered after detection (the stacks captured for it) contradicted
+    the incident's kind: what it became, from what, and why."""
+
+    kind: str = field(metadata=_NAME)
+    from_kind: str = field(default="", metadata=_NAME)
+    category: str | None = field(default=None, metadata=_NAME)
+    runbook: str | None = field(default=None, metadata=_NAME)
+    summary: str = field(default="", metadata=_SUMMARY)
+    why: str = field(default="", metadata=_TEXT)
+    time: float | None = None
+
+
+@dataclasses.dataclass(slots=True)
 class Actions:
     """One `action` record: the results of what the responder did (each optional)."""
 
@@ -257,6 +201,7 @@ class Actions:
     in_process: InProcessResult | None = None
     checkpoint: CheckpointResult | None = None
     restart: RestartDecision | None = None
+    revised: Revision | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -274,7 +219,7 @@ class Resolution:
 _LINE = ("kind", "culprit_ranks", "victims", "summary", "severity", "runbook", "category", "key")
 """Fields every incident line holds; the others below are written when set."""
 _SET = ("id", "opened_time", "node", "job", "scope", "nodes", "incident", "restart")
-_MERGED = ("capture", "stack_groups", "verdict", "in_process", "checkpoint")
+_MERGED = ("capture", "stack_groups", "verdict", "in_process", "checkpoint", "revisions")
 """What `action` records add to an incident."""
 
 
@@ -327,6 +272,8 @@ class Incident:
     """The capture's verdict: it refines the category and the runbook."""
     in_process: InProcessResult | None = None
     checkpoint: CheckpointResult | None = None
+    revisions: list[Revision] | None = None
+    """What the evidence gathered after detection changed, oldest first (None: nothing)."""
     resolution: Resolution | None = None
     """Set once a `resolved` record names it; None while it is open."""
 
@@ -388,13 +335,23 @@ class Incident:
 
     def act(self, actions: Actions) -> None:
         """An `action` record's results, merged in."""
-        for name in (*_MERGED, "restart"):
+        for name in ("capture", "stack_groups", "verdict", "in_process", "checkpoint", "restart"):
             if (value := getattr(actions, name)) is not None:
                 setattr(self, name, value)
         if actions.verdict is not None and actions.verdict.runbook:
             # The capture's verdict refines where the incident points: every
             # reader then names the same runbook.
             self.runbook = actions.verdict.runbook
+        if (r := actions.revised) is not None and r.kind in kinds.KINDS:
+            self.revise(r)
+
+    def revise(self, r: Revision) -> None:
+        """Become what the later evidence says (one incident, its revision kept)."""
+        r.from_kind = r.from_kind or self.kind
+        self.revisions = [*(self.revisions or []), r]
+        self.kind, self.summary = r.kind, r.summary or self.summary
+        self.category, self.runbook = r.category or self.category, r.runbook or self.runbook
+        self.key = f"{self.kind}:{','.join(map(str, self.culprit_ranks))}"
 
     @classmethod
     def from_json(cls, data: Any) -> Incident | None:
@@ -440,21 +397,3 @@ def read_events(events: list[Any]) -> list[Incident]:
             by_id[incident.id] = incident
         out.append(incident)
     return out
-
-
-def jsonable(value: Any) -> Any:
-    """Convert numpy scalars/arrays, tuples and sets to plain JSON types.
-
-    Non-finite floats become the strings 'nan'/'inf'/'-inf': a NaN loss is a
-    fact worth keeping, and bare NaN is not valid JSON for other readers."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, bytes):
-        return value.rstrip(b"\0").decode("ascii", "replace")
-    if hasattr(value, "tolist") and not isinstance(value, (str, int, float, bool)):
-        return jsonable(value.tolist())  # numpy scalar or array
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from trainwatch import codec, env, records, slots, state
+from trainwatch import codec, env, messages, records, slots, state
 from trainwatch.records import JobStatus
 from trainwatch.diagnostics import preemption
 from trainwatch.launcher import failures, warmstart
@@ -406,7 +406,7 @@ class TrainwatchAgent(LocalElasticAgent):
             print(printable(f"[trainwatch] survivors: {describe(result)}", newlines=False), flush=True)
         self._on_event("survivors_checkpointed", result)
 
-    def _take_restart_request(self) -> records.RestartRequest | None:
+    def _take_restart_request(self) -> messages.RestartRequest | None:
         if not self.dir.restart_request_file.exists():
             return None
         raw = state.read_json(self.dir.restart_request_file)
@@ -414,7 +414,7 @@ class TrainwatchAgent(LocalElasticAgent):
             os.unlink(self.dir.restart_request_file)  # taken once, read or not
         except OSError:
             pass
-        request = codec.decode(records.RestartRequest, raw)
+        request = codec.decode(messages.RestartRequest, raw)
         if raw is None:
             return None
         if request is None:

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from trainwatch import codec, env, records
+from trainwatch import codec, env, messages
 
 log = logging.getLogger("trainwatch")
 
@@ -103,10 +103,10 @@ class Zygote:
         whose environment names the job."""
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
-        self.ready: records.ZygoteReady | None = None
+        self.ready: messages.ZygoteReady | None = None
         self._cond = threading.Condition()
         self._exits: dict[int, int] = {}
-        self._forked: dict[int, records.ZygoteForked] = {}
+        self._forked: dict[int, messages.ZygoteForked] = {}
         self._next_id = 0
         self._closed = False
         self._send_lock = threading.Lock()
@@ -136,13 +136,13 @@ class Zygote:
             buf += data
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                msg = codec.decode_line(records.ZYGOTE_MESSAGES, line)
+                msg = codec.decode_line(messages.ZYGOTE_MESSAGES, line)
                 with self._cond:
-                    if isinstance(msg, records.ZygoteReady):
+                    if isinstance(msg, messages.ZygoteReady):
                         self.ready = msg
-                    elif isinstance(msg, records.ZygoteForked):
+                    elif isinstance(msg, messages.ZygoteForked):
                         self._forked[msg.id] = msg
-                    elif isinstance(msg, records.ZygoteExit):
+                    elif isinstance(msg, messages.ZygoteExit):
                         self._exits[msg.pid] = msg.code
                     self._cond.notify_all()
         with self._cond:  # the zygote is gone: its workers died with it (parent-death signal)
@@ -166,7 +166,7 @@ class Zygote:
         with self._cond:
             self._next_id += 1
             rid = self._next_id
-        request = records.ZygoteFork(rid, list(args), dict(environ), os.getcwd(), stdout, stderr)
+        request = messages.ZygoteFork(rid, list(args), dict(environ), os.getcwd(), stdout, stderr)
         try:
             with self._send_lock:
                 self.sock.sendall((json.dumps(codec.encode(request)) + "\n").encode())  # type: ignore[union-attr]

@@ -34,7 +34,7 @@ import socket
 import sys
 import time
 
-from trainwatch import codec, env, procctl, records
+from trainwatch import codec, env, messages, procctl
 
 
 def _send(sock: socket.socket, msg: object) -> None:
@@ -73,7 +73,7 @@ def cuda_initialized() -> bool:
 def serve(sock: socket.socket, preload: list[str]) -> None:
     t0 = time.monotonic()
     preloaded = _preload(preload)
-    _send(sock, records.ZygoteReady(os.getpid(), preloaded, round(time.monotonic() - t0, 3), cuda_initialized()))
+    _send(sock, messages.ZygoteReady(os.getpid(), preloaded, round(time.monotonic() - t0, 3), cuda_initialized()))
     # SIGCHLD wakes the loop through a pipe: exits are reported as they happen.
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -95,8 +95,8 @@ def serve(sock: socket.socket, preload: list[str]) -> None:
             buf += data
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                req = codec.decode_line(records.ZYGOTE_MESSAGES, line)
-                if isinstance(req, records.ZygoteFork):
+                req = codec.decode_line(messages.ZYGOTE_MESSAGES, line)
+                if isinstance(req, messages.ZygoteFork):
                     pid = _fork(sock, req, (wake_r, wake_w))
                     if pid:
                         children.add(pid)
@@ -109,13 +109,13 @@ def serve(sock: socket.socket, preload: list[str]) -> None:
             if pid == 0:
                 break
             children.discard(pid)
-            _send(sock, records.ZygoteExit(pid, _exit_code(status)))
+            _send(sock, messages.ZygoteExit(pid, _exit_code(status)))
 
 
-def _fork(sock: socket.socket, req: records.ZygoteFork, fds: tuple[int, int]) -> int:
+def _fork(sock: socket.socket, req: messages.ZygoteFork, fds: tuple[int, int]) -> int:
     args, environ, cwd, out, err = req.args, req.env, req.cwd, req.stdout, req.stderr
     if not args:
-        _send(sock, records.ZygoteForked(req.id, error="bad request: no command"))
+        _send(sock, messages.ZygoteForked(req.id, error="bad request: no command"))
         return 0
     sys.stdout.flush()
     sys.stderr.flush()
@@ -129,7 +129,7 @@ def _fork(sock: socket.socket, req: records.ZygoteFork, fds: tuple[int, int]) ->
             code = _become_worker(args, environ, cwd, out, err)
         finally:
             os._exit(code)
-    _send(sock, records.ZygoteForked(req.id, pid=pid))
+    _send(sock, messages.ZygoteForked(req.id, pid=pid))
     return pid
 
 

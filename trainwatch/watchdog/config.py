@@ -117,8 +117,6 @@ class SidecarConfig:
     """Hardware faults to inject (`--inject xid/ecc`): the sidecar plays the GPU's part."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.quiet_ticks, int) or self.quiet_ticks < 1:
-            raise ValueError(f"--quiet-ticks must be a whole number >= 1; got {self.quiet_ticks!r}")
         if self.metrics_detail not in METRICS_DETAILS:
             raise ValueError(f"--metrics-detail must be one of {', '.join(METRICS_DETAILS)}; "
                              f"got {self.metrics_detail!r}")
@@ -155,7 +153,7 @@ RANGES: dict[str, flags.Range] = {
     # table, checked alike for a flag, a TRAINWATCH_* variable, the config file
     # and the JSON the sidecar reads. A period or timeout of 0 is a busy loop or
     # an action that can never finish; a window of 0 judges nothing.
-    "tick_s": _R(low=0.01, high=60), "snapshot_s": _R(low=0.1, high=3600),
+    "tick_s": _R(low=0.01, high=60), "snapshot_s": _R(low=0.1, high=3600), "quiet_ticks": _COUNT,
     "engine.rearm_s": _POSITIVE,
     "actions.capture_timeout_s": _POSITIVE, "actions.emergency_timeout_s": _POSITIVE,
     "actions.in_process_timeout_s": _POSITIVE,

@@ -61,6 +61,9 @@ class _Seen:
     """Ticks it was reported in while open."""
     last_seen: float = 0.0
     """Monotonic time of the last report."""
+    waits: bool = False
+    """Revised by the stacks, its restart held back: the next report of its
+    new kind (past that kind's threshold) confirms it (`take_confirmed`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,9 @@ class DetectorEngine:
         self._seen: dict[str, _Seen] = {}
         self._episodes: dict[str, _Episode] = {}
         self._resolved: list[Resolved] = []
+        self._confirmed: list[Incident] = []
+        self._aliases: dict[str, str] = {}
+        """Key an incident was detected under -> the key the stacks revised it to."""
         self._steps = StepTracker()  # one for every detector: each round works it out once
 
     def busy(self) -> bool:
@@ -130,6 +136,26 @@ class DetectorEngine:
         """Incidents resolved since the last call, oldest first."""
         out, self._resolved = self._resolved, []
         return out
+
+    def take_confirmed(self) -> list[Incident]:
+        """Revised incidents whose held-back restart is now due, oldest first."""
+        out, self._confirmed = self._confirmed, []
+        return out
+
+    def revised(self, old_key: str, incident: Incident, from_kind: str, waits: bool) -> None:
+        """The stacks revised an open incident (`incident`, already revised in
+        place) from `from_kind`: its detector's reports stay the same incident,
+        what the old kind muted is live again, and with `waits` the first report
+        of its new kind asks for the restart held back."""
+        seen = self._seen.pop(old_key, None)
+        if seen is None or incident.key in self._seen:
+            if seen is not None:
+                self._seen[old_key] = seen
+            return
+        seen.waits = waits
+        self._seen[incident.key] = seen
+        self._aliases[old_key] = incident.key
+        self._episodes.pop(from_kind, None)
 
     def detector(self, name: str) -> Detector | None:
         """The running detector of that name (e.g. 'straggler' for its ratios)."""
@@ -178,7 +204,11 @@ class DetectorEngine:
         found.sort(key=lambda inc: _PRIORITY.get(inc.kind, len(_PRIORITY)))
         emitted: list[Incident] = []
         reported: set[str] = set()
+        kept: set[str] = set()  # revised incidents still reported under the key they were detected by
         for inc in found:
+            if (alias := self._aliases.get(inc.key)) in self._seen:
+                kept.add(alias)
+                continue
             if inc.key in reported:
                 continue
             reported.add(inc.key)
@@ -200,13 +230,14 @@ class DetectorEngine:
         now = view.now
         for key in list(self._seen):
             seen = self._seen[key]
-            if key in reported:
+            if key in reported or key in kept:
                 continue
             if seen.absent_since is None:
                 seen.absent_since = now
             why = self._over(seen, view)
             if why is not None:
                 del self._seen[key]
+                self._aliases = {k: v for k, v in self._aliases.items() if v != key}
                 if seen.incident is not None:
                     progress = now - seen.absent_since < self.config.rearm_s  # else: not seen for the hold time
                     self._resolved.append(Resolved(seen.incident, now, seen.last_seen, seen.count, why, progress))
@@ -228,6 +259,9 @@ class DetectorEngine:
             if not (restarted or moved_on):
                 seen.absent_since, seen.last_seen = None, view.now
                 seen.count += 1
+                if seen.waits and seen.incident is not None:
+                    seen.waits = False  # its own detector calls it now: the restart held back is due
+                    self._confirmed.append(seen.incident)
                 return False  # still the same fault: counted, not raised again
             # The old fault is over (its culprits restarted, or got going and
             # stalled anew): resolved, and this is a new incident.
@@ -236,23 +270,22 @@ class DetectorEngine:
                                                "its ranks restarted" if restarted else "its ranks made progress",
                                                True))
         self._seen[inc.key] = _Seen(absent_since=None, steps=self._steps_of(inc, view), detected=inc.detected_mono,
-                                    incident=inc, last_seen=view.now)
+                                    incident=inc, last_seen=view.now, waits=inc.evidence.get("provisional") is True)
         return True
 
     def _over(self, seen: _Seen, view: TickView) -> str | None:
         """Why an open incident that was not reported this tick is over; None while it is not."""
         absent = view.now - seen.absent_since
-        if absent >= self.config.rearm_s:
-            return f"not seen for {absent:.0f}s"
         inc = seen.incident
-        if inc is None or not _is_progress_kind(inc.kind):
-            return None
-        now_steps = self._steps_of(inc, view)
-        if _new_process(seen.steps, now_steps):
-            return "its ranks restarted"
-        if _advanced(seen.steps, now_steps):
-            return "its ranks made progress"
-        return None
+        if inc is not None and _is_progress_kind(inc.kind):
+            now_steps = self._steps_of(inc, view)
+            if _new_process(seen.steps, now_steps):
+                return "its ranks restarted"
+            if _advanced(seen.steps, now_steps):
+                return "its ranks made progress"
+            if now_steps:
+                return None  # its ranks are here and have not stepped: the fault lasts, reported or not
+        return f"not seen for {absent:.0f}s" if absent >= self.config.rearm_s else None
 
     @staticmethod
     def _steps_of(inc: Incident, view: TickView) -> dict[int, tuple[int, int]]:

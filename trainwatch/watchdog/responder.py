@@ -24,9 +24,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from trainwatch import codec, kinds, rankrow, records, slots, state
+from trainwatch import codec, kinds, messages, rankrow, records, slots, state
 from trainwatch.capture import capture_ranks
 from trainwatch.procctl import process_state
+from trainwatch.diagnostics.revise import past_threshold, revision
 from trainwatch.diagnostics.verdict import decide
 from trainwatch.watchdog.checkpointing import describe as describe_checkpoint
 from trainwatch.watchdog.checkpointing import request_emergency_checkpoint
@@ -132,6 +133,11 @@ class ResponderContext:
     """In-process recovery asks this node's ranks only: a multi-node job restarts."""
     recovered: Callable[[str | None, float, float], None] = lambda incident, started, ended: None
     """Say that an incident was recovered inside its ranks, from when to when (the restart gate, goodput)."""
+    revised: Callable[[str | None, records.Revision | None, bool], None] = lambda incident, revision, held: None
+    """Say that the stacks revised an incident (the sidecar's open incident, the engine's condition), and
+    whether its restart is held back until the new kind's own detector calls it."""
+    withdrawn: Callable[[str | None], None] = lambda incident: None
+    """Say that the restart decided at detection will not be requested (the restart gate)."""
 
 
 class Responder:
@@ -191,7 +197,17 @@ class Responder:
 
         t0 = time.monotonic()
         if self.policy.capture and kind in CAPTURE_KINDS:
-            done(self.capture(record))
+            part, waits = self.capture(record)
+            done(part)
+            held = bool(waits and response.restart)
+            if "revised" in part:
+                kind = part["revised"]["kind"]
+                ctx.revised(record.get("id"), codec.decode(records.Revision, part["revised"]), held)
+            if held:
+                # Read from counters, contradicted by the stacks, short of the hang rule: no restart yet.
+                response.restart = False
+                ctx.withdrawn(record.get("id"))
+                done({"restart": {"requested": False, "why": waits}})
         if response.restart and self.policy.in_process and kind in IN_PROCESS_KINDS and ctx.single_node:
             t1 = time.monotonic()
             part = request_in_process(ctx.segment, self.policy.in_process_timeout_s, proc_state=process_state)
@@ -212,13 +228,22 @@ class Responder:
             ctx.tracer.finish(response.span, results)
         return results
 
-    def capture(self, record: dict) -> dict:
+    def capture(self, record: dict) -> tuple[dict, str | None]:
+        """The stacks, their groups and the verdict (and what the stacks revise
+        of the incident), with why a restart waits when it does."""
         ctx = self.ctx
         t0 = time.monotonic()
         rows = rankrow.decode(ctx.segment.read_table(), time.monotonic(), ctx.node)
         groups, where, failed, rows = capture_ranks(rows, job=ctx.job, label=str(record.get("kind")),
                                                     timeout_s=self.policy.capture_timeout_s)
         own = records.Incident.from_json(record)
+        revised = revision(own, groups, time.time()) if own is not None else None
+        waits = None
+        if revised is not None:
+            own.revise(revised)
+            if not past_threshold(rows, own.culprit_ranks, ctx.thresholds()):
+                waits = (f"not restarting yet: {revised.why}, short of the hang threshold in force; the "
+                         f"hang detector restarts if it stays stuck past it")
         current = [i for i in ctx.incidents() if i.id != record.get("id")] + ([own] if own is not None else [])
         v = decide(rows, groups, current, [], ctx.thresholds())
         return {
@@ -229,11 +254,11 @@ class Responder:
                 for g in groups
             ],
             "verdict": v.to_json(),
-        }
+        } | ({"revised": codec.encode(revised)} if revised is not None else {}), waits
 
     def request_restart(self, record: dict, generation: int) -> dict:
         kind, incident = record.get("kind"), record.get("id")
-        request = records.RestartRequest(
+        request = messages.RestartRequest(
             run=self.ctx.run, generation=generation, reason=str(record.get("summary") or kind),
             kind=kind if isinstance(kind, str) else None, incident=incident if isinstance(incident, str) else None,
             time=time.time())
@@ -244,6 +269,8 @@ class Responder:
 def describe(results: dict) -> str:
     """One console line of what the responder did."""
     parts = []
+    if rev := results.get("revised"):
+        parts.append(f"revised to {rev.get('kind')} ({rev.get('category')}): {rev.get('why')}")
     cap = results.get("capture")
     if cap:
         v = results.get("verdict") or {}
@@ -260,8 +287,11 @@ def describe(results: dict) -> str:
     ck = results.get("checkpoint")
     if ck:
         parts.append(describe_checkpoint(ck))
-    if (results.get("restart") or {}).get("requested"):
+    restart = results.get("restart") or {}
+    if restart.get("requested"):
         parts.append("restart requested")
+    elif restart.get("why") and not ip:
+        parts.append(str(restart["why"]))
     return "; ".join(parts)
 
 

@@ -42,6 +42,7 @@ from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.goodput import GoodputFeed
 from trainwatch.watchdog.recovery import RestartTracker
 from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate, incident_step
+from trainwatch.watchdog.revisions import Revisions
 from trainwatch.watchdog.writer import BackgroundWriter, TickGate, snapshot_job, submit_writes
 
 log = logging.getLogger("trainwatch.sidecar")
@@ -50,19 +51,9 @@ log = logging.getLogger("trainwatch.sidecar")
 class Sidecar:
     def __init__(
         self,
-        job: str,
-        segment_path: str,
-        *,
-        node: str | None = None,
-        config: SidecarConfig | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        detectors: list | None = None,
-        out=None,
-        respond: bool = False,
-        tracer: Any = None,
-        run: str = "",
-        launcher_pid: int | None = None,
-        jobstore: JobStore | None = None,
+        job: str, segment_path: str, *, node: str | None = None, config: SidecarConfig | None = None,
+        clock: Callable[[], float] = time.monotonic, detectors: list | None = None, out=None, respond: bool = False,
+        tracer: Any = None, run: str = "", launcher_pid: int | None = None, jobstore: JobStore | None = None,
         aggregate: bool = False,
     ):
         self.job = job
@@ -108,12 +99,14 @@ class Sidecar:
         self.goodput = GoodputFeed(clock)  # where the job's wall time went, from this sidecar's start
         self.gate = RestartGate(self.config.actions, clock, launcher_pid)
         self.responder: Responder | None = None
+        self.revisions = Revisions(self)  # what the stacks revised of an open incident
         if respond:
             self.responder = Responder(self.config.actions, ResponderContext(
                 job=self.dir, segment=self.segment, node=self.node, run=run, incidents=lambda: list(self.open.values()),
                 thresholds=self.thresholds_in_force,
                 add_timings=self.goodput.timings_to(self.recovery.add_timings), out=self.out, tracer=tracer,
-                single_node=self.jobwide is None, recovered=recovered_by(self.gate, self.goodput, self.recovery)))
+                single_node=self.jobwide is None, recovered=recovered_by(self.gate, self.goodput, self.recovery),
+                revised=self.revisions.add, withdrawn=self.revisions.withdrawn))
         # ~1 sample/s of every rank for `trainwatch report`; bounded in size.
         self.history = HistoryWriter(self.dir.history_file(self.node), clock=clock)
         self.tick_gate = TickGate()  # the writer thread gives way while a tick runs
@@ -230,6 +223,7 @@ class Sidecar:
         new = list(self.engine.tick(view, extra=extra, causes=quiet))
         for incident in new:
             self.emit(incident)
+        self.revisions.apply()
         for res in self.engine.take_resolved():
             self.resolve(self._open_keys.pop(res.incident.key, None), res.duration_s, res.count, res.reason)
         if self.jobwide is not None:
@@ -281,7 +275,7 @@ class Sidecar:
         record = incident.to_json()
         table = self.last_table
         generation = int(table["restart"].max()) if table is not None and len(table) else 0
-        restart, why = self.gate.decide(record, incident_step(record, table), generation)
+        restart, why = self.revisions.gate(incident, record, table, generation)
         if restart or why:
             incident.restart = records.RestartDecision(restart, why or None)
             record = incident.to_json()
@@ -389,11 +383,6 @@ class Sidecar:
             self.tracer.shutdown()
 
 
-def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:
-    server = serve_metrics(TrainwatchCollector(sidecar), host, port)
-    return f"{host}:{server.server_port}"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="trainwatch-sidecar")
     p.add_argument("--job", required=True)
@@ -446,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     address = None
     if args.metrics_port >= 0:
         try:
-            address = start_metrics_server(sidecar, args.metrics_host, args.metrics_port)
+            server = serve_metrics(TrainwatchCollector(sidecar), args.metrics_host, args.metrics_port)
+            address = f"{args.metrics_host}:{server.server_port}"
         except OSError as e:
             print(f"[trainwatch] metrics exporter off: cannot bind {args.metrics_host}:{args.metrics_port} "
                   f"({e.strerror})", flush=True)

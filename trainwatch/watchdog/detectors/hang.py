@@ -104,12 +104,15 @@ class HangDetector(Detector):
         self.steady = SteadyJob(floor_s=self.config.floor_s, steady_floor_s=self.config.steady_floor_s,
                                 k=self.config.k, min_steps=self.config.steady_min_steps)
         self._in_episode = False
+        self._provisional: list[int] | None = None
+        """Culprits of this episode's hang, called by the steady threshold alone, until it is firm."""
 
     def check(self, view: TickView) -> list[Incident]:
         t = view.table
         cfg = self.config
         if len(t) == 0:
             self._in_episode = self.busy = False
+            self._provisional = None
             return []
         ranks = t["rank"]
         changes = step_changes(view, self._steps)
@@ -152,7 +155,7 @@ class HangDetector(Detector):
         near = bool((age > min(cfg.floor_s, steady) * _QUIET_FRACTION).any())
         self.busy = near or (self.steady.enabled and not math.isfinite(steady))
         if not near:
-            self._in_episode = False
+            self._in_episode, self._provisional = False, None
             return []
 
         base = np.full(len(t), float(cfg.floor_s))
@@ -200,6 +203,10 @@ class HangDetector(Detector):
         # peers already wait on past the steady threshold, is held to it (one
         # spinning in Python is as hung as one asleep).
         held = np.zeros(len(t), dtype=bool)
+        # What a rank held to the steady threshold must pass before its hang is
+        # more than an alert: the limit without that hold, and the slow-phase
+        # allowance while it visibly works (an evaluation, a save on rank 0).
+        firm = np.where(active, np.fmax(limit, cfg.slow_phase_s), limit)
         if quiet_io is not None and (in_wait & ~done & started & (age > steady)).any():
             held = (started & quiet_io & ~in_wait & ~done & ~in_slow & ~self.other.current & (phase != _DATA)
                     & (steady < limit))
@@ -215,15 +222,37 @@ class HangDetector(Detector):
         if not working.any():
             involved |= in_wait & ~done & (age > limit)
         if not involved.any():
-            self._in_episode = False
+            self._in_episode, self._provisional = False, None
             return []
+        if self._in_episode and self._provisional is not None:
+            rows = np.nonzero(np.isin(ranks, self._provisional))[0]
+            if len(rows) and (age[rows] > firm[rows]).all():
+                involved |= np.isin(ranks, self._provisional)
+                self._provisional = None  # past what honest work is allowed: the same hang, now firm
+                return [self._report(view, age, limit, involved, hb_age, hb_stale, base, in_wait, slow_ok, started,
+                                     learnt, held, firm=True)]
         if self._in_episode:
             return []
         self._in_episode = True
+        incident = self._report(view, age, limit, involved, hb_age, hb_stale, base, in_wait, slow_ok, started, learnt,
+                                held)
+        if incident.evidence.get("provisional"):
+            self._provisional = list(incident.culprit_ranks)
+        return [incident]
+
+    def _report(self, view, age, limit, involved, hb_age, hb_stale, base, in_wait, slow_ok, started, learnt, held,
+                firm: bool = False) -> Incident:
+        t = view.table
         facts = Facts(step=t["step"], age=age, base=base, in_wait=in_wait, lenient=slow_ok, started=started,
                       hb_stale=hb_stale, involved=involved, groups=GroupEntries.of(t))
-        ctx = _Context(view, age, limit, involved, hb_age, hb_stale, blame(facts), learnt, held)
-        return [self._incident(ctx)]
+        incident = self._incident(_Context(view, age, limit, involved, hb_age, hb_stale, blame(facts), learnt, held))
+        culprits = np.isin(t["rank"], incident.culprit_ranks)
+        # Called by the steady job's threshold alone: an alert now, a restart
+        # only once past what honest work on that rank is allowed.
+        incident.evidence["provisional"] = bool(not firm and culprits.any() and held[culprits].all())
+        if firm:
+            incident.evidence["firm"] = True
+        return incident
 
     def thresholds_in_force(self, ranks: np.ndarray) -> dict:
         """The step-time hang threshold of each of `ranks` as the detector holds
