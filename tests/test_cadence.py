@@ -25,15 +25,7 @@ from trainwatch.watchdog.detectors.straggler import StragglerDetector
 from trainwatch.watchdog.detectors.base import TickView
 from trainwatch.watchdog.sidecar import Sidecar
 
-from util import wait_for
-
-
-class Clock:
-    def __init__(self, t: float):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from util import Clock, wait_for
 
 
 @pytest.fixture

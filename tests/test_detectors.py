@@ -1482,3 +1482,28 @@ def test_ranks_stopped_by_the_nan_policy_are_its_action_not_a_crash():
     crash = RankExit(rank=3, local_rank=3, pid=13, exitcode=-9, signal_name="SIGKILL", first=True)
     found = det.check(view(t, 100.0, exits=stops[:3] + [crash]))
     assert [(i.kind, i.culprit_ranks) for i in found] == [("crash", [3])]
+
+
+@pytest.mark.parametrize("working", [False, True], ids=["idle", "computing"])
+def test_hang_called_by_the_steady_threshold_alone_is_provisional_until_past_honest_work(working):
+    """On a steady job a rank idle outside collectives is named within 2 s, as an
+    alert (`provisional`): a save, an upload or an evaluation on one rank looks
+    the same at first. The same hang is reported again, `firm`, once the rank is
+    past the floor while idle, or past the slow-work allowance while it computes."""
+    det = HangDetector()
+    job = SyncJob(2, step_s=0.2)
+    assert run_steps(det, job, 30) == []
+    t0 = job.now
+    set_rows(job.table, 1, phase="forward")
+    set_rows(job.table, 0, phase="collective")
+    found = []
+    for k in range(1, 400):  # 0.2 s ticks, 80 s
+        now = t0 + 0.2 * k
+        if working:
+            set_rows(job.table, 1, cpu_s=now - t0)  # a whole core
+        found += [(round(now - t0, 1), inc) for inc in det.check(job.at(now))]
+    (first_s, first), (firm_s, firm) = found
+    assert first.culprit_ranks == firm.culprit_ranks == [1] and first_s <= 2.0
+    assert first.evidence["provisional"] is True and first.evidence["culprits"][1]["threshold_steady"]
+    assert firm.evidence["firm"] is True and firm.evidence["provisional"] is False
+    assert (4.8 <= firm_s <= 5.6) if not working else (59.8 <= firm_s <= 60.6), (first_s, firm_s)

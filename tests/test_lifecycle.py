@@ -13,26 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from slot_tables import make_table, set_rows, view
+from util import scripted_detector
 
 from trainwatch import kinds, records, slots
 from trainwatch.rankrow import RankRow
 from trainwatch.diagnostics import verdict
 from trainwatch.watchdog import engine as engine_mod
-from trainwatch.watchdog.detectors.base import Detector
 from trainwatch.watchdog.engine import DetectorEngine, EngineConfig
 from trainwatch.watchdog.exporter import INCIDENT_KINDS, _open_incidents
 from trainwatch.watchdog.incident import Incident
-
-
-class Scripted(Detector):
-    name = "scripted"
-
-    def __init__(self) -> None:
-        self.next: list[Incident] = []
-
-    def check(self, view):
-        out, self.next = self.next, []
-        return out
 
 
 def run(engine, scripted, t, reports, *, start=100.0, dt=1.0):
@@ -54,7 +43,7 @@ def test_a_persistent_straggler_with_dips_is_one_incident_resolved_once():
     """Its rank keeps stepping (which once re-armed the key at every dip) and the
     detector's verdict flickers; still one incident, counted, then resolved
     after it was gone for the hold time."""
-    scripted = Scripted()
+    scripted = scripted_detector()
     engine = DetectorEngine([scripted], config=EngineConfig(rearm_s=60.0))
     t = make_table(4, step=10)
     opened, resolved, now = [], [], 100.0
@@ -78,7 +67,7 @@ def test_a_persistent_straggler_with_dips_is_one_incident_resolved_once():
 
 
 def test_a_nan_streak_is_one_incident():
-    scripted = Scripted()
+    scripted = scripted_detector()
     engine = DetectorEngine([scripted])
     t = make_table(4, step=10)
     nan = lambda: Incident(kind="loss_nan", culprit_ranks=[1], summary="NaN", severity="critical")  # noqa: E731
@@ -92,7 +81,7 @@ def test_a_nan_streak_is_one_incident():
 
 
 def test_a_hang_resolves_when_its_rank_trains_again_and_a_new_stall_is_a_new_incident():
-    scripted = Scripted()
+    scripted = scripted_detector()
     engine = DetectorEngine([scripted])
     t = make_table(4, step=10)
     hang = lambda: Incident(kind="hang", culprit_ranks=[1], summary="stuck", severity="high")  # noqa: E731
@@ -108,7 +97,7 @@ def test_a_hang_resolves_when_its_rank_trains_again_and_a_new_stall_is_a_new_inc
 def test_a_hang_reported_once_lasts_until_its_ranks_train_again():
     """A hang is reported once, then its ranks are restarted or get going: its
     duration runs to training again, not to its one report (once 0.0 s)."""
-    scripted = Scripted()
+    scripted = scripted_detector()
     engine = DetectorEngine([scripted])
     t = make_table(4, step=10)
     hang = lambda: Incident(kind="hang", culprit_ranks=[1], summary="stuck", severity="high",  # noqa: E731
@@ -127,7 +116,7 @@ def test_a_hang_reported_once_lasts_until_its_ranks_train_again():
 def test_a_hang_reported_once_stays_open_while_its_rank_stays_stuck():
     """Not seen again for minutes while its rank has not stepped: still open (it
     once resolved 'after 0.0s (not seen for 60s)' with the rank still stuck)."""
-    scripted = Scripted()
+    scripted = scripted_detector()
     engine = DetectorEngine([scripted], config=EngineConfig(rearm_s=60.0))
     t = make_table(4, step=10)
     hang = lambda: Incident(kind="hang", culprit_ranks=[1], summary="stuck", severity="high")  # noqa: E731
@@ -138,7 +127,7 @@ def test_a_hang_reported_once_stays_open_while_its_rank_stays_stuck():
 
 
 def test_a_restarted_culprit_ends_the_old_incident():
-    scripted = Scripted()
+    scripted = scripted_detector()
     engine = DetectorEngine([scripted])
     t = make_table(4, step=10)
     opened, _ = run(engine, scripted, t, [straggler, straggler])

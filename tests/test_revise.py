@@ -11,13 +11,13 @@ import types
 
 import pytest
 from slot_tables import make_table, set_rows, view
+from util import scripted_detector
 
 from trainwatch import records, slots
 from trainwatch.diagnostics import verdict
 from trainwatch.diagnostics.revise import past_threshold, revision
 from trainwatch.diagnostics.stack_groups import StackGroup
 from trainwatch.rankrow import RankRow
-from trainwatch.watchdog.detectors.base import Detector
 from trainwatch.watchdog.engine import DetectorEngine
 from trainwatch.watchdog.incident import Incident
 from trainwatch.watchdog.responder import describe
@@ -94,19 +94,8 @@ def test_events_tell_the_revised_story_as_one_incident():
     assert line.startswith("revised to hang (dataloader): the stacks captured for it show rank 1 in data loading")
 
 
-class Scripted(Detector):
-    name = "scripted"
-
-    def __init__(self) -> None:
-        self.next: list[Incident] = []
-
-    def check(self, view):
-        out, self.next = self.next, []
-        return out
-
-
 def test_the_engine_keeps_one_incident_and_asks_for_the_held_restart_once():
-    scripted = Scripted()
+    scripted = scripted_detector()
     engine = DetectorEngine([scripted])
     t = make_table(4, step=10)
     now = 100.0
@@ -140,7 +129,7 @@ def test_the_engine_keeps_one_incident_and_asks_for_the_held_restart_once():
 
 
 def test_a_revision_that_held_nothing_back_confirms_nothing():
-    scripted = Scripted()
+    scripted = scripted_detector()
     engine = DetectorEngine([scripted])
     t = make_table(4, step=10)
     scripted.next = [mismatch()]
@@ -150,3 +139,17 @@ def test_a_revision_that_held_nothing_back_confirms_nothing():
     engine.revised(old, opened, "collective_mismatch", waits=False)
     scripted.next = [Incident(kind="hang", culprit_ranks=[1], summary="stuck", detected_mono=102.0)]
     assert engine.tick(view(t, 102.0)) == [] and engine.take_confirmed() == []
+
+
+def test_a_provisional_hang_is_an_alert_and_the_gate_decides_the_rest():
+    from trainwatch.watchdog.config import SidecarConfig
+
+    asked = []
+    sidecar = types.SimpleNamespace(config=SidecarConfig(), gate=types.SimpleNamespace(
+        decide=lambda record, step, gen: asked.append(record["kind"]) or (True, None)))
+    gate = Revisions(sidecar).gate
+    hang = Incident(kind="hang", culprit_ranks=[0], summary="stuck", id="n-1-1", evidence={"provisional": True})
+    restart, why = gate(hang, hang.to_json(), None, 0)
+    assert not restart and "an alert for now" in why and asked == []
+    hang.evidence = {"provisional": False, "firm": True}
+    assert gate(hang, hang.to_json(), None, 0) == (True, None) and asked == ["hang"]

@@ -21,15 +21,7 @@ from trainwatch.watchdog import otel
 from trainwatch.watchdog.exporter import TrainwatchCollector
 from trainwatch.watchdog.sidecar import Sidecar
 
-from util import wait_for
-
-
-class Clock:
-    def __init__(self, t: float):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from util import Clock, wait_for
 
 
 @pytest.fixture

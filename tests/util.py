@@ -188,3 +188,30 @@ def prometheus_server(cfg_dir: Path, config: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class Clock:
+    """A clock a test sets by hand, for code that takes one."""
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def scripted_detector():
+    """A detector that reports what the test puts in its `next` list, once."""
+    from trainwatch.watchdog.detectors.base import Detector
+
+    class Scripted(Detector):
+        name = "scripted"
+
+        def __init__(self) -> None:
+            self.next: list = []
+
+        def check(self, view):
+            out, self.next = self.next, []
+            return out
+
+    return Scripted()

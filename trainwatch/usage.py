@@ -34,8 +34,10 @@ def printable(text: str, *, newlines: bool = True) -> str:
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:
-    """The one `error:` line (its text escaped: it may quote a path or an argument) and the exit code."""
-    print(f"error: {printable(message, newlines=False)}", file=sys.stderr, flush=True)
+    """The `error:` line (its text escaped: it may quote a path or an argument) and the exit code; a
+    message of several errors (joined by a line break and `error: `) is one line each."""
+    for line in message.split("\nerror: "):
+        print(f"error: {printable(line, newlines=False)}", file=sys.stderr, flush=True)
     return code
 
 

@@ -383,6 +383,11 @@ class Sidecar:
             self.tracer.shutdown()
 
 
+def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> str | None:
+    server = serve_metrics(TrainwatchCollector(sidecar), host, port)
+    return f"{host}:{server.server_port}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="trainwatch-sidecar")
     p.add_argument("--job", required=True)
@@ -435,8 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     address = None
     if args.metrics_port >= 0:
         try:
-            server = serve_metrics(TrainwatchCollector(sidecar), args.metrics_host, args.metrics_port)
-            address = f"{args.metrics_host}:{server.server_port}"
+            address = start_metrics_server(sidecar, args.metrics_host, args.metrics_port)
         except OSError as e:
             print(f"[trainwatch] metrics exporter off: cannot bind {args.metrics_host}:{args.metrics_port} "
                   f"({e.strerror})", flush=True)
