@@ -153,3 +153,5 @@ def test_a_provisional_hang_is_an_alert_and_the_gate_decides_the_rest():
     assert not restart and "an alert for now" in why and asked == []
     hang.evidence = {"provisional": False, "firm": True}
     assert gate(hang, hang.to_json(), None, 0) == (True, None) and asked == ["hang"]
+    hang.evidence, hang.scope = {"provisional": True}, "job"  # a job incident: the aggregator's fast call stands
+    assert gate(hang, hang.to_json(), None, 0) == (True, None) and asked == ["hang", "hang"]

@@ -349,6 +349,7 @@ class JobWideNode:
         sc = self.sidecar
         new = self.aggregator.tick(self.summaries())
         # Job incidents that are over: every node takes the news from the store.
+        self.aggregator.engine.take_confirmed()  # a job incident restarts at detection (Revisions.gate)
         for res in self.aggregator.engine.take_resolved():
             job_id = self.job_ids.pop(res.incident.key, None)
             if job_id is not None:

@@ -38,7 +38,9 @@ class Revisions:
         """The restart decision at detection: a hang called by the steady job's
         threshold alone is an alert until it is firm (its detector says so)."""
         sc = self.sidecar
-        if incident.evidence.get("provisional") is True and incident.kind in sc.config.actions.restart_kinds:
+        # A job incident's firm report is the aggregator's alone: there the fast call restarts as before.
+        if (incident.evidence.get("provisional") is True and incident.scope != "job"
+                and incident.kind in sc.config.actions.restart_kinds):
             return False, (f"{incident.kind} {incident.id}: an alert for now (called by the steady job's short step "
                            f"time alone); a restart follows if the rank stays without progress past the hang floor, "
                            f"or past the slow-work allowance while it visibly works (a save, an evaluation)")
