@@ -170,6 +170,12 @@ class GoodputLedger:
             fault = max(self.started, min(fault, detected))
         self._incidents[incident_id] = _Incident(kind, detected, fault, restarting)
 
+    def confirmed(self, incident_id: str | None, now: float) -> None:
+        """A provisional incident was confirmed at `now`: detected then, as far as the buckets go."""
+        inc = self._incidents.get(incident_id) if incident_id else None
+        if inc is not None and inc.requested is None:
+            inc.detected = max(inc.detected, now)
+
     def requested(self, incident_id: str | None, now: float) -> None:
         """The capture and emergency checkpoint for `incident_id` are done and its restart requested."""
         inc = self._incidents.get(incident_id) if incident_id else None

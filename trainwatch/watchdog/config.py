@@ -160,7 +160,7 @@ RANGES: dict[str, flags.Range] = {
     "detectors.exits.collateral_s": _ANY,
     "detectors.process_state.confirm_s": _ANY,
     "detectors.hang.floor_s": _POSITIVE, "detectors.hang.k": _POSITIVE, "detectors.hang.history": _COUNT,
-    "detectors.hang.warmup_s": _ANY, "detectors.hang.slow_phase_s": _ANY, "detectors.hang.busy_s": _ANY,
+    "detectors.hang.warmup_s": _ANY, "detectors.hang.busy_grace_s": _POSITIVE, "detectors.hang.slow_phase_s": _ANY, "detectors.hang.busy_s": _ANY,
     "detectors.hang.active_cpu": _ANY, "detectors.hang.active_io_bytes_s": _ANY,
     "detectors.hang.heartbeat_stale_s": _POSITIVE, "detectors.hang.phase_factor": _ANY,
     "detectors.hang.phase_min_samples": _ANY, "detectors.hang.phase_history": _COUNT,

@@ -54,6 +54,10 @@ class HangConfig:
     busy_s: float = 300.0
     """Allowance for a rank outside any phase marker that keeps computing (CPU time advancing,
     heartbeat alive) while no peer waits for it (s)."""
+    busy_grace_s: float = 15.0
+    """How long a rank its peers wait on may keep computing (CPU time advancing, no I/O) before a hang
+    called by the steady job's threshold alone restarts the job: an evaluation or a metric on one rank
+    passes, a rank spinning in a loop is restarted then (while its I/O moves: the slow-phase allowance) (s)."""
     active_cpu: float = 0.2
     """CPU use, in cores, at or above which a rank counts as working (fraction of a core)."""
     active_io_bytes_s: float = 1e6

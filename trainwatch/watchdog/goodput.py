@@ -39,6 +39,10 @@ class GoodputFeed:
             if len(step_s):
                 self._step_s[str(incident.id)] = float(np.median(step_s))
 
+    def confirmed(self, incident: str | None, now: float) -> None:
+        """A provisional incident is firm now: the time it was held counts as detection."""
+        self.ledger.confirmed(incident, now)
+
     def timings_to(self, tracker: Callable[..., None]) -> Callable[..., None]:
         """The responder's `add_timings`: the restart tracker's, and the moment
         an incident's restart was requested (its capture and checkpoint done)."""

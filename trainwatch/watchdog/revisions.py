@@ -43,7 +43,8 @@ class Revisions:
                 and incident.kind in sc.config.actions.restart_kinds):
             return False, (f"{incident.kind} {incident.id}: an alert for now (called by the steady job's short step "
                            f"time alone); a restart follows if the rank stays without progress past the hang floor, "
-                           f"or past the slow-work allowance while it visibly works (a save, an evaluation)")
+                           f"or past the busy grace while it computes (an evaluation), or the slow-phase allowance while "
+                           f"it writes (a checkpoint)")
         return sc.gate.decide(record, incident_step(record, table), generation)
 
     def apply(self) -> None:
@@ -69,6 +70,8 @@ class Revisions:
         """A revised incident's own detector calls it now: the restart held back, through the gate."""
         sc = self.sidecar
         record, table = incident.to_json(), sc.last_table
+        record["detected_mono"] = sc.clock()  # detection ends here: the time it was held was spent on it
+        sc.goodput.confirmed(incident.id, record["detected_mono"])
         generation = int(table["restart"].max()) if table is not None and len(table) else 0
         restart, why = sc.gate.decide(record, incident_step(record, table), generation)
         if restart:

@@ -204,9 +204,12 @@ class HangDetector(Detector):
         # spinning in Python is as hung as one asleep).
         held = np.zeros(len(t), dtype=bool)
         # What a rank held to the steady threshold must pass before its hang is
-        # more than an alert: the limit without that hold, and the slow-phase
-        # allowance while it visibly works (an evaluation, a save on rank 0).
-        firm = np.where(active, np.fmax(limit, cfg.slow_phase_s), limit)
+        # more than an alert: the limit without that hold; the busy grace while
+        # it computes (an evaluation on rank 0), the slow-phase allowance while
+        # it writes (a checkpoint).
+        writing = ~hb_stale & (io_rate >= cfg.active_io_bytes_s)
+        firm = np.where(writing, np.fmax(limit, cfg.slow_phase_s),
+                        np.where(active, np.fmax(limit, cfg.busy_grace_s), limit))
         if quiet_io is not None and (in_wait & ~done & started & (age > steady)).any():
             held = (started & quiet_io & ~in_wait & ~done & ~in_slow & ~self.other.current & (phase != _DATA)
                     & (steady < limit))
