@@ -16,10 +16,8 @@ Pure logic: no I/O, no clock.
 
 from __future__ import annotations
 
-from statistics import median
 from typing import Any, Sequence
 
-from trainwatch.diagnostics.culprit import FLOOR_S, K
 from trainwatch.diagnostics.verdict import _fmt, _runbook_for, _thresholds
 from trainwatch.rankrow import RankRow
 from trainwatch.records import Incident, Revision
@@ -60,7 +58,6 @@ def revision(incident: Incident, groups: Sequence[Any], now: float | None = None
 def past_threshold(rows: Sequence[RankRow], ranks: Sequence[int], thresholds: Any = None) -> bool:
     """Whether every one of `ranks` has been idle past its hang threshold in
     force (the watchdog's own figure, as telemetry.json's `thresholds` has it)."""
-    step_s = [r.step_s for r in rows if r.step_s]
-    limits = _thresholds(rows, thresholds, max(FLOOR_S, K * median(step_s)) if step_s else FLOOR_S)
+    limits = _thresholds(rows, thresholds)
     idle = {r.rank: r.last_progress_s for r in rows}
     return bool(ranks) and all(k in idle and idle[k] > limits[k] for k in ranks)

@@ -152,9 +152,8 @@ def decide(ranks: Sequence[RankRow], groups: list[Any] = (), incidents: Sequence
     gone = [r for r in ranks if r.state in (None, "gone", "zombie") and r.pid and r.phase != "done"]
     steps = [r.step for r in ranks]
     step_s = [r.step_s for r in ranks if r.step_s]
-    stall_s = max(FLOOR_S, K * median(step_s)) if step_s else FLOOR_S
     still_open = recovering + [i for i in incidents if i.status == "open" and i.kind in kinds.KINDS]
-    limits = _thresholds(ranks, thresholds, stall_s)
+    limits = _thresholds(ranks, thresholds)
     for rank, called in _called_at(still_open).items():  # the figure the watchdog judged by, learnt or not
         if rank in limits:
             limits[rank] = min(limits[rank], called)
@@ -254,12 +253,14 @@ def decide(ranks: Sequence[RankRow], groups: list[Any] = (), incidents: Sequence
                    evidence)
 
 
-def _thresholds(ranks: Sequence[RankRow], thresholds: Any, fallback_s: float) -> dict[int, float]:
+def _thresholds(ranks: Sequence[RankRow], thresholds: Any) -> dict[int, float]:
     """Each rank's hang threshold in force: the watchdog's own figure where
     telemetry.json has it, else max(its floor, k x the median step)."""
     known = codec.decode(Thresholds, thresholds) if thresholds is not None else None
     hang = known.hang if known is not None else None
     if hang is None:
+        step_s = [r.step_s for r in ranks if r.step_s]
+        fallback_s = max(FLOOR_S, K * median(step_s)) if step_s else FLOOR_S
         return {r.rank: fallback_s for r in ranks}
     out = {}
     for r in ranks:

@@ -299,6 +299,11 @@ def _ranks(ranks) -> str:
     return ",".join(str(r) for r in ranks) or "-"
 
 
+def generation_of(table) -> int:
+    """The worker generation of the last read (0 before any rank registered)."""
+    return int(table["restart"].max()) if table is not None and len(table) else 0
+
+
 def incident_step(record: dict, table) -> int | None:
     """The step an incident happened at: its evidence's, else its culprits' lowest."""
     step = (record.get("evidence") or {}).get("step")

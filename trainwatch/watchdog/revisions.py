@@ -16,7 +16,7 @@ from typing import Any
 
 from trainwatch import records
 from trainwatch.usage import printable
-from trainwatch.watchdog.responder import Response, incident_step
+from trainwatch.watchdog.responder import Response, generation_of, incident_step
 
 
 class Revisions:
@@ -72,7 +72,7 @@ class Revisions:
         record, table = incident.to_json(), sc.last_table
         record["detected_mono"] = sc.clock()  # detection ends here: the time it was held was spent on it
         sc.goodput.confirmed(incident.id, record["detected_mono"])
-        generation = int(table["restart"].max()) if table is not None and len(table) else 0
+        generation = generation_of(table)
         restart, why = sc.gate.decide(record, incident_step(record, table), generation)
         if restart:
             sc.recovery.note_fault(record, table)

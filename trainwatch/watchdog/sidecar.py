@@ -41,7 +41,7 @@ from trainwatch.watchdog.inprocess import recovered_by
 from trainwatch.watchdog.jobwide import JobWideNode, job_scope
 from trainwatch.watchdog.goodput import GoodputFeed
 from trainwatch.watchdog.recovery import RestartTracker
-from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate, incident_step
+from trainwatch.watchdog.responder import Responder, ResponderContext, Response, RestartGate, generation_of
 from trainwatch.watchdog.revisions import Revisions
 from trainwatch.watchdog.writer import BackgroundWriter, TickGate, snapshot_job, submit_writes
 
@@ -274,7 +274,7 @@ class Sidecar:
         incident.job = self.job if incident.job is None else incident.job
         record = incident.to_json()
         table = self.last_table
-        generation = int(table["restart"].max()) if table is not None and len(table) else 0
+        generation = generation_of(table)
         restart, why = self.revisions.gate(incident, record, table, generation)
         if restart or why:
             incident.restart = records.RestartDecision(restart, why or None)
